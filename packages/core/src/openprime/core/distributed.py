@@ -1,0 +1,44 @@
+"""torch.distributed plumbing that never touches the default process group.
+
+openprime builds every group on its own store prefix (one per group and epoch), so that groups can be
+torn down and rebuilt when membership changes without `init_process_group`'s global state; PRIME's
+reliance on the default group is part of why its elastic mode was fragile.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch.distributed as dist
+
+from openprime.core.transport import Rendezvous
+
+
+def host_store(host: str = "127.0.0.1", port: int = 0, *, timeout_s: float) -> dist.TCPStore:
+    """Start the master of a rendezvous store (port 0 picks a free port; read it from `.port`)."""
+    return dist.TCPStore(
+        host, port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+
+
+def connect_store(rendezvous: Rendezvous, timeout_s: float, *, suffix: str = "") -> dist.Store:
+    """A client of the rendezvous store, scoped to the group's own key prefix (plus `suffix`)."""
+    store = dist.TCPStore(
+        rendezvous.host,
+        rendezvous.port,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return dist.PrefixStore(rendezvous.group + suffix, store)
+
+
+def gloo_group(store: dist.Store, rank: int, world_size: int, *, timeout_s: float,
+               host: str = "127.0.0.1") -> dist.ProcessGroupGloo:
+    """A Gloo process group over `store`, independent of the default group.
+
+    `timeout_s` bounds Gloo's own connection set-up and any operation waited on without a timeout.
+    """
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = datetime.timedelta(seconds=timeout_s)
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return dist.ProcessGroupGloo(store, rank, world_size, options)

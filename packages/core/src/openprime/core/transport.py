@@ -1,0 +1,111 @@
+"""The Transport interface: reliable, framed point-to-point messages between the peers of a group.
+
+A group is `world_size` processes with ranks 0..world_size-1 that met at a `Rendezvous`. A message is
+a list of contiguous CPU tensors (any dtype) sent to one peer under an integer tag; the receiver
+passes preallocated tensors of the same sizes and they are filled in place. Messages between two
+peers under one tag arrive in the order they were sent.
+
+Every operation carries an absolute deadline (`time.monotonic()` seconds). A lost peer or a passed
+deadline raises `PeerFailure` naming the peer; no call hangs. After a `PeerFailure` the transport may
+be unusable and the caller rebuilds the group (the mesh does this at the next view).
+
+Byte counters count framed bytes (prefix + header + payload) actually handed to or taken from the
+wire, so benchmarks and the bandwidth claims of DESIGN.md are measured, not assumed.
+
+Implementations: openprime.transports.gloo (and, later, zmq and tcp). Each runs the conformance
+suite in `openprime.core.testing`.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+
+import torch
+
+from openprime.core.config import config, field, instance_of, positive_int
+from openprime.core.frames import encode_header
+
+
+@config
+class Rendezvous:
+    """Where the peers of one group meet: a TCP key-value store and a key prefix for this group."""
+
+    host: str = field(doc="address of the store (the launcher or coordinator hosts it)", validator=instance_of(str))
+    port: int = field(doc="TCP port of the store", validator=positive_int())
+    group: str = field(doc="key prefix naming this group and epoch, e.g. 'diloco/0'", validator=instance_of(str))
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous CPU tensor's memory (no copy)."""
+    if not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError("transport buffers must be contiguous CPU tensors")
+    return t.reshape(-1).view(torch.uint8)
+
+
+def remaining(deadline: float) -> float:
+    """Seconds left until `deadline` (monotonic), never negative."""
+    return max(0.0, deadline - time.monotonic())
+
+
+class Handle(ABC):
+    """An operation in flight."""
+
+    @abstractmethod
+    def wait(self) -> None:
+        """Block until the operation completes; raise PeerFailure at its deadline or if the peer is lost."""
+
+
+class Transport(ABC):
+    """Point-to-point framed messages with deadlines. See the module docstring for the contract."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside a group of {world_size}")
+        self.rank = rank
+        self.world_size = world_size
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    @abstractmethod
+    def isend(self, peer: int, tag: int, buffers: Sequence[torch.Tensor], *, deadline: float) -> Handle:
+        """Start sending `buffers` to `peer` under `tag`. The buffers must not change until wait()."""
+
+    @abstractmethod
+    def irecv(self, peer: int, tag: int, buffers: Sequence[torch.Tensor], *, deadline: float) -> Handle:
+        """Start receiving a message from `peer` under `tag` into the preallocated `buffers`."""
+
+    def send(self, peer: int, tag: int, buffers: Sequence[torch.Tensor], *, deadline: float) -> None:
+        """Send and wait."""
+        self.isend(peer, tag, buffers, deadline=deadline).wait()
+
+    def recv(self, peer: int, tag: int, buffers: Sequence[torch.Tensor], *, deadline: float) -> None:
+        """Receive and wait."""
+        self.irecv(peer, tag, buffers, deadline=deadline).wait()
+
+    def frame_bytes(self, tag: int, sizes: Sequence[int]) -> int:
+        """Bytes this transport puts on the wire for one message with payload buffer `sizes`."""
+        return len(encode_header(tag, list(sizes))) + sum(sizes)
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release connections. Idempotent; operations after close raise PeerFailure."""
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_peer(self, peer: int) -> None:
+        if not 0 <= peer < self.world_size or peer == self.rank:
+            raise ValueError(f"rank {self.rank}: invalid peer {peer} in a group of {self.world_size}")
+
+
+TransportFactory = Callable[[Rendezvous, int, int], Transport]
+"""Builds the transport of rank `rank` in a group of `world_size` meeting at a rendezvous.
+
+Factories are picklable (a top-level function, or functools.partial of one with a config) so that
+the launcher and the test harness can hand them to child processes.
+"""

@@ -1,0 +1,101 @@
+"""Config conventions: validation names the field, overrides parse types, unknown keys list valid ones."""
+
+import enum
+
+import pytest
+
+from openprime.core.config import (
+    config,
+    config_keys,
+    field,
+    field_doc,
+    one_of_enum,
+    override,
+    positive_float,
+    positive_int,
+    to_dict,
+    unit_interval,
+)
+from openprime.core.errors import ConfigError
+
+
+class Mode(enum.Enum):
+    FAST = "fast"
+    SAFE = "safe"
+
+
+@config
+class Inner:
+    num_steps: int = field(3, doc="how many steps", validator=positive_int())
+    lr: float = field(0.1, doc="learning rate", validator=positive_float())
+    momentum: float = field(0.9, doc="momentum", validator=unit_interval())
+    mode: Mode = field(Mode.FAST, doc="the mode", validator=one_of_enum(Mode))
+    note: str | None = field(None, doc="optional note")
+    betas: tuple[float, ...] = field((0.9, 0.95), doc="betas")
+
+
+@config
+class Outer:
+    inner: Inner = field(factory=Inner, doc="the inner part")
+    name: str = field("run", doc="name")
+
+
+def test_defaults_and_docs():
+    cfg = Outer()
+    assert cfg.inner.num_steps == 3
+    assert field_doc(Inner, "lr") == "learning rate"
+    assert config_keys(cfg) == ["inner.num_steps", "inner.lr", "inner.momentum", "inner.mode", "inner.note",
+                                "inner.betas", "name"]
+
+
+def test_frozen_and_keyword_only():
+    with pytest.raises(TypeError):
+        Inner(5)  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        Inner().lr = 1.0  # type: ignore[misc]
+
+
+def test_validators_name_class_and_field():
+    with pytest.raises(ConfigError, match=r"Inner.num_steps must be >= 1, got 0"):
+        Inner(num_steps=0)
+    with pytest.raises(ConfigError, match=r"Inner.lr must be > 0"):
+        Inner(lr=-0.5)
+    with pytest.raises(ConfigError, match=r"Inner.num_steps must be int"):
+        Inner(num_steps=2.5)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"Inner.num_steps must be int"):
+        Inner(num_steps=True)
+
+
+def test_override_parses_each_type():
+    cfg = Outer()
+    assert override(cfg, "inner.num_steps", "7").inner.num_steps == 7
+    assert override(cfg, "inner.lr", "3e-4").inner.lr == 3e-4
+    assert override(cfg, "inner.mode", "safe").inner.mode is Mode.SAFE
+    assert override(cfg, "inner.note", "hello").inner.note == "hello"
+    assert override(cfg, "inner.note", "none").inner.note is None
+    assert override(cfg, "inner.betas", "0.8,0.99").inner.betas == (0.8, 0.99)
+    assert override(cfg, "name", "x").name == "x"
+    assert cfg.inner.num_steps == 3  # the original is untouched
+
+
+def test_override_errors_name_the_key():
+    cfg = Outer()
+    with pytest.raises(ConfigError, match=r"inner.num_steps=0: Inner.num_steps must be >= 1"):
+        override(cfg, "inner.num_steps", "0")
+    with pytest.raises(ConfigError, match=r"inner.num_steps: expected int, got 'many'"):
+        override(cfg, "inner.num_steps", "many")
+    with pytest.raises(ConfigError, match=r"'fastest' is not one of: fast, safe"):
+        override(cfg, "inner.mode", "fastest")
+    with pytest.raises(ConfigError) as e:
+        override(cfg, "inner.nope", "1")
+    assert "unknown config key 'inner.nope'" in str(e.value) and "inner.lr" in str(e.value)
+    with pytest.raises(ConfigError, match="unknown config key 'inner'"):
+        override(cfg, "inner", "1")
+
+
+def test_to_dict_is_json_ready():
+    import json
+
+    d = to_dict(Outer())
+    assert d["inner"]["mode"] == "fast"
+    assert json.loads(json.dumps(d)) == d | {"inner": d["inner"] | {"betas": [0.9, 0.95]}}

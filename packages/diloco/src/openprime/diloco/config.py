@@ -1,0 +1,35 @@
+"""The DiLoCo config: how often nodes synchronise and how the outer optimizer steps."""
+
+from __future__ import annotations
+
+import enum
+
+from openprime.core.config import config, field, one_of_enum, positive_float, positive_int, unit_interval
+
+
+class OuterOptimizer(enum.Enum):
+    """The outer optimizer applied to the averaged pseudo-gradient."""
+
+    NESTEROV = "nesterov"  # INTELLECT-1 and DiLoCo
+    MOMENTUM = "momentum"  # heavy-ball SGD
+    SGD = "sgd"  # no momentum: with lr 1.0 this is plain averaging of the replicas
+
+
+class Compression(enum.Enum):
+    """How pseudo-gradients travel in the all-reduce."""
+
+    NONE = "none"  # fp32
+
+
+@config
+class DiLoCoConfig:
+    """DiLoCo settings; the defaults are INTELLECT-1's (paper, Appendix A)."""
+
+    num_inner_steps: int = field(100, doc="inner steps (H) between outer steps", validator=positive_int())
+    outer_lr: float = field(0.7, doc="outer learning rate", validator=positive_float())
+    outer_momentum: float = field(0.9, doc="outer momentum (ignored by the sgd outer optimizer)",
+                                  validator=unit_interval())
+    outer_optimizer: OuterOptimizer = field(OuterOptimizer.NESTEROV, doc="outer optimizer",
+                                            validator=one_of_enum(OuterOptimizer))
+    compression: Compression = field(Compression.NONE, doc="pseudo-gradient encoding on the wire",
+                                     validator=one_of_enum(Compression))

@@ -1,0 +1,80 @@
+"""The offloaded outer state and the outer optimizer step (INTELLECT-1 paper, sections 2.1 and 2.4).
+
+The global weights, the outer momentum and the pseudo-gradient are flat fp32 tensors in host memory,
+so the accelerator holds no more than in ordinary training. Each parameter is a view into the flat
+buffers, which lets one all-reduce carry the whole pseudo-gradient.
+
+The outer update, with theta the global weights, m the outer momentum (zero at the start), mu the
+outer momentum coefficient, eta the outer learning rate, and k the number of nodes that contributed
+a pseudo-gradient delta_i = theta - theta_local_i this outer step:
+
+    delta = (1/k) * sum_i delta_i               # mean over contributors, not over the world size
+    m     = mu * m + delta                      # NESTEROV and MOMENTUM
+    step  = delta + mu * m     (NESTEROV)       # Sutskever et al.'s form, as torch.optim.SGD does it
+          = m                  (MOMENTUM)
+          = delta              (SGD; m untouched)
+    theta = theta - eta * step
+
+With eta = 1 and SGD, theta becomes the mean of the replicas' weights; with one node it becomes the
+node's own weights (plain training).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import torch
+
+from openprime.diloco.config import OuterOptimizer
+
+
+def outer_update_(theta: torch.Tensor, momentum: torch.Tensor, delta: torch.Tensor, *, lr: float, mu: float,
+                  optimizer: OuterOptimizer) -> None:
+    """Apply one outer step in place to `theta` (and `momentum`), given the mean pseudo-gradient."""
+    if optimizer is OuterOptimizer.SGD:
+        theta.sub_(delta, alpha=lr)
+        return
+    momentum.mul_(mu).add_(delta)
+    if optimizer is OuterOptimizer.NESTEROV:
+        theta.sub_(delta, alpha=lr).sub_(momentum, alpha=lr * mu)
+    else:
+        theta.sub_(momentum, alpha=lr)
+
+
+class OuterState:
+    """Host fp32 copies of the global weights and outer momentum, and the pseudo-gradient buffer."""
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self.params = list(params)
+        self.numel = sum(p.numel() for p in self.params)
+        self.theta = torch.empty(self.numel, dtype=torch.float32)
+        self.momentum = torch.zeros(self.numel, dtype=torch.float32)
+        self.delta = torch.empty(self.numel, dtype=torch.float32)
+        self._theta_views = self._views(self.theta)
+        self._delta_views = self._views(self.delta)
+        for view, p in zip(self._theta_views, self.params, strict=True):
+            view.copy_(p.detach().reshape(-1))
+
+    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return list(torch.split(flat, [p.numel() for p in self.params]))
+
+    def compute_pseudo_gradient(self) -> torch.Tensor:
+        """delta = theta_global - theta_local, in fp32 on the host; returns the flat buffer."""
+        for view, p in zip(self._delta_views, self.params, strict=True):
+            view.copy_(p.detach().reshape(-1))
+        torch.sub(self.theta, self.delta, out=self.delta)
+        return self.delta
+
+    def copy_to_params(self) -> None:
+        """Write the global weights back into the model (cast to the parameters' dtype and device)."""
+        with torch.no_grad():
+            for view, p in zip(self._theta_views, self.params, strict=True):
+                p.copy_(view.view_as(p))
+
+    def state_hash(self) -> str:
+        """A hash of the global weights and outer momentum: equal on every replica after an outer step."""
+        h = hashlib.blake2b(digest_size=16)
+        h.update(self.theta.numpy().data)
+        h.update(self.momentum.numpy().data)
+        return h.hexdigest()

@@ -1,0 +1,145 @@
+"""DiLoCo numerics: the outer step against hand-computed Nesterov, averaging, and plain training.
+
+Workers run as threads over in-memory LocalTransports (openprime.core.testing), so these tests check
+the arithmetic of the real DiLoCo class, all-reduce included, in a fraction of a second.
+"""
+
+import pytest
+import torch
+
+from openprime.core.errors import ReplicaDivergence
+from openprime.core.testing import local_group, run_threads
+from openprime.core.timeouts import Timeouts
+from openprime.diloco import DiLoCo, DiLoCoConfig, OuterOptimizer, outer_update_
+
+TIMEOUTS = Timeouts(op_s=10.0)
+
+
+def _workers(k: int, theta0: torch.Tensor, config: DiLoCoConfig) -> tuple[list[torch.nn.Parameter], list[DiLoCo]]:
+    params = [torch.nn.Parameter(theta0.clone()) for _ in range(k)]
+    transports = local_group(k)
+    dilocos = [DiLoCo([p], config=config, transport=t, timeouts=TIMEOUTS) for p, t in zip(params, transports)]
+    return params, dilocos
+
+
+def _outer_step(params, dilocos, local_weights):
+    """Pretend each worker trained to `local_weights[i]`, then run the outer step on all of them."""
+    with torch.no_grad():
+        for p, w in zip(params, local_weights):
+            p.copy_(w)
+    return run_threads([d.sync for d in dilocos])
+
+
+def test_nesterov_step_matches_hand_formula():
+    theta0 = torch.tensor([1.0, -2.0, 0.5, 4.0])
+    deltas = [torch.tensor([0.1, 0.2, -0.3, 0.0]), torch.tensor([0.3, -0.2, 0.1, 1.0]),
+              torch.tensor([-0.1, 0.6, 0.5, 2.0])]
+    params, dilocos = _workers(3, theta0, DiLoCoConfig(num_inner_steps=1))  # lr 0.7, momentum 0.9
+    results = _outer_step(params, dilocos, [theta0 - d for d in deltas])
+
+    # By hand: mean delta = (0.1, 0.2, 0.1, 1.0); m1 = delta; step = delta + 0.9 * m1 = 1.9 * delta;
+    # theta1 = theta0 - 0.7 * 1.9 * delta.
+    mean = torch.tensor([0.1, 0.2, 0.1, 1.0])
+    theta1 = theta0 - 0.7 * 1.9 * mean
+    for p, d in zip(params, dilocos):
+        torch.testing.assert_close(p.detach(), theta1, rtol=0, atol=1e-6)
+        torch.testing.assert_close(d.state.momentum, mean, rtol=0, atol=1e-7)
+    assert [r.num_contributors for r in results] == [3, 3, 3]
+    assert len({r.state_hash for r in results}) == 1
+
+    # Second step with every worker moving by the same delta2: m2 = 0.9*m1 + delta2, step = delta2 + 0.9*m2.
+    delta2 = torch.tensor([1.0, 0.0, -1.0, 0.5])
+    _outer_step(params, dilocos, [theta1 - delta2] * 3)
+    m2 = 0.9 * mean + delta2
+    theta2 = theta1 - 0.7 * (delta2 + 0.9 * m2)
+    for p in params:
+        torch.testing.assert_close(p.detach(), theta2, rtol=0, atol=1e-6)
+
+
+def test_lr_one_without_momentum_averages_the_workers():
+    torch.manual_seed(0)
+    theta0 = torch.randn(1000)
+    config = DiLoCoConfig(num_inner_steps=1, outer_lr=1.0, outer_optimizer=OuterOptimizer.SGD)
+    params, dilocos = _workers(4, theta0, config)
+    local = [theta0 + torch.randn(1000) for _ in range(4)]
+    _outer_step(params, dilocos, local)
+    for p in params:
+        torch.testing.assert_close(p.detach(), torch.stack(local).mean(0), rtol=0, atol=1e-5)
+
+
+def _train(model, opt, data, diloco=None):
+    for x, y in data:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        if diloco is not None:
+            diloco.step()
+
+
+def test_one_worker_with_lr_one_and_no_momentum_is_plain_training():
+    torch.manual_seed(1)
+    data = [(torch.randn(8, 5), torch.randn(8, 3)) for _ in range(12)]
+    plain = torch.nn.Linear(5, 3)
+    wrapped = torch.nn.Linear(5, 3)
+    wrapped.load_state_dict(plain.state_dict())
+    opt_plain = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    opt_wrapped = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    config = DiLoCoConfig(num_inner_steps=4, outer_lr=1.0, outer_optimizer=OuterOptimizer.SGD)
+    (transport,) = local_group(1)
+    diloco = DiLoCo(wrapped.parameters(), config=config, transport=transport, timeouts=TIMEOUTS)
+    _train(plain, opt_plain, data)
+    _train(wrapped, opt_wrapped, data, diloco)
+    assert diloco.num_outer_steps_done == 3
+    for a, b in zip(plain.parameters(), wrapped.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert not torch.equal(plain.weight, torch.nn.Linear(5, 3).weight)  # it did train
+
+
+def test_step_counts_inner_steps():
+    (transport,) = local_group(1)
+    p = torch.nn.Parameter(torch.zeros(3))
+    diloco = DiLoCo([p], config=DiLoCoConfig(num_inner_steps=3), transport=transport, timeouts=TIMEOUTS)
+    outcomes = [diloco.step() for _ in range(7)]
+    assert [o is not None for o in outcomes] == [False, False, True, False, False, True, False]
+    assert outcomes[5].outer_step == 2
+
+
+def test_mean_divides_by_contributors_only():
+    theta0 = torch.zeros(4)
+    params, dilocos = _workers(3, theta0, DiLoCoConfig(num_inner_steps=1, outer_lr=1.0,
+                                                       outer_optimizer=OuterOptimizer.SGD))
+    with torch.no_grad():
+        params[0].copy_(torch.full((4,), 3.0))
+        params[1].copy_(torch.full((4,), 5.0))
+        params[2].copy_(torch.full((4,), 100.0))  # a joiner whose weights must not count
+    results = run_threads([lambda: dilocos[0].sync(), lambda: dilocos[1].sync(),
+                           lambda: dilocos[2].sync(contribute=False)])
+    assert [r.num_contributors for r in results] == [2, 2, 2]
+    for p in params:
+        torch.testing.assert_close(p.detach(), torch.full((4,), 4.0))
+
+
+def test_divergent_replicas_are_detected():
+    params, dilocos = _workers(2, torch.zeros(3), DiLoCoConfig(num_inner_steps=1))
+    dilocos[1].state.momentum[0] = 1e-3  # corrupt one replica's outer state
+    with pytest.raises(ReplicaDivergence, match="differs across replicas"):
+        run_threads([d.sync for d in dilocos])
+
+
+def test_outer_update_variants():
+    theta, m, delta = torch.ones(2), torch.zeros(2), torch.tensor([1.0, 2.0])
+    outer_update_(theta, m, delta, lr=0.5, mu=0.9, optimizer=OuterOptimizer.MOMENTUM)
+    torch.testing.assert_close(theta, torch.tensor([0.5, 0.0]))
+    torch.testing.assert_close(m, delta)
+    outer_update_(theta, m, delta, lr=0.5, mu=0.9, optimizer=OuterOptimizer.SGD)
+    torch.testing.assert_close(theta, torch.tensor([0.0, -1.0]))
+    torch.testing.assert_close(m, delta)  # SGD leaves momentum alone
+
+
+def test_bad_config_names_the_field():
+    from openprime.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="num_inner_steps must be >= 1"):
+        DiLoCoConfig(num_inner_steps=0)
+    with pytest.raises(ConfigError, match="outer_lr must be > 0"):
+        DiLoCoConfig(outer_lr=-0.7)

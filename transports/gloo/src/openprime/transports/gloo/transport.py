@@ -1,0 +1,146 @@
+"""A Transport over Gloo point-to-point operations (torch.distributed.ProcessGroupGloo).
+
+INTELLECT-1 ran its DiLoCo all-reduce over Gloo (paper section 2.3); here Gloo is one transport among
+several behind the same interface. Each message is a fixed-size header buffer (prefix + msgpack,
+padded to HEADER_BYTES) followed by one Gloo send per non-empty buffer, all under the message's tag;
+Gloo keeps messages of one tag between two peers in order, which gives the ordering the contract asks.
+Gloo errors (a reset connection, its own timeout) and our deadlines become `PeerFailure`. A Gloo pair
+that timed out is closed by Gloo, so after a PeerFailure the group is rebuilt, never reused.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from openprime.core.config import config, field, instance_of, positive_float, positive_int
+from openprime.core.distributed import connect_store, gloo_group
+from openprime.core.errors import FrameError, PeerFailure
+from openprime.core.frames import decode_frame_header, encode_header
+from openprime.core.transport import Handle, Rendezvous, Transport, as_bytes, remaining
+
+HEADER_BYTES = 1024  # prefix + msgpack header, zero-padded: the receiver preallocates this much
+
+
+@config
+class GlooTransportConfig:
+    """Settings of the Gloo transport."""
+
+    hostname: str = field("127.0.0.1", doc="address Gloo binds and advertises for this process",
+                          validator=instance_of(str))
+    connect_timeout_s: float = field(60.0, doc="bound on building the Gloo group", validator=positive_float())
+    max_frame_bytes: int = field(1 << 34, doc="largest message payload accepted (bytes)",
+                                 validator=positive_int())
+
+
+class _GlooHandle(Handle):
+    def __init__(self, transport: GlooTransport, peer: int, works: list, deadline: float, nbytes: int,
+                 *, sending: bool, header: torch.Tensor | None = None, sizes: list[int] | None = None,
+                 tag: int = 0) -> None:
+        self._t, self._peer, self._works, self._deadline = transport, peer, works, deadline
+        self._nbytes, self._sending, self._header, self._sizes, self._tag = nbytes, sending, header, sizes, tag
+        self._done = False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        for i, work in enumerate(self._works):
+            left = remaining(self._deadline)
+            if left <= 0:
+                self._t._fail(self._peer, "deadline passed")
+            try:
+                work.wait(datetime.timedelta(seconds=max(left, 1e-3)))
+            except RuntimeError as e:
+                self._t._fail(self._peer, f"gloo: {str(e).splitlines()[0][:300]}")
+            if i == 0 and self._header is not None:
+                self._check_header()
+        self._done = True
+        with self._t._lock:
+            if self._sending:
+                self._t.bytes_sent += self._nbytes
+            else:
+                self._t.bytes_received += self._nbytes
+
+    def _check_header(self) -> None:
+        try:
+            header = decode_frame_header(self._header.numpy().tobytes(), self._peer,
+                                         max_frame_bytes=self._t.config.max_frame_bytes)
+        except FrameError:
+            self._t._broken = True
+            raise
+        if header.tag != self._tag or list(header.sizes) != self._sizes:
+            self._t._broken = True
+            raise FrameError(self._peer, f"expected tag {self._tag} with buffer sizes {self._sizes}, "
+                                         f"got tag {header.tag} with sizes {list(header.sizes)}")
+
+
+class GlooTransport(Transport):
+    """Transport over a ProcessGroupGloo built on the group's own store prefix."""
+
+    def __init__(self, rendezvous: Rendezvous, rank: int, world_size: int, config: GlooTransportConfig) -> None:
+        super().__init__(rank, world_size)
+        self.config = config
+        self._lock = threading.Lock()
+        self._closed = False
+        self._broken = False
+        store = connect_store(rendezvous, config.connect_timeout_s, suffix="/gloo")
+        try:
+            self._pg = gloo_group(store, rank, world_size, timeout_s=config.connect_timeout_s,
+                                  host=config.hostname)
+        except RuntimeError as e:
+            raise PeerFailure(tuple(r for r in range(world_size) if r != rank),
+                              f"could not build the Gloo group: {str(e).splitlines()[0][:300]}") from None
+
+    def frame_bytes(self, tag: int, sizes: Sequence[int]) -> int:
+        return HEADER_BYTES + sum(sizes)
+
+    def _fail(self, peer: int, reason: str) -> None:
+        self._broken = True
+        raise PeerFailure(peer, reason)
+
+    def _ready(self, peer: int) -> None:
+        self._check_peer(peer)
+        if self._closed:
+            raise PeerFailure(peer, "transport is closed")
+        if self._broken:
+            raise PeerFailure(peer, "transport is broken by an earlier failure; rebuild the group")
+
+    def isend(self, peer: int, tag: int, buffers: Sequence[torch.Tensor], *, deadline: float) -> Handle:
+        self._ready(peer)
+        views = [as_bytes(b) for b in buffers]
+        sizes = [v.numel() for v in views]
+        header = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+        encoded = encode_header(tag, sizes)
+        if len(encoded) > HEADER_BYTES:
+            raise ValueError(f"too many buffers in one message for the Gloo header ({len(sizes)})")
+        header[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+        works = [self._pg.send([header], peer, tag)]
+        works += [self._pg.send([v], peer, tag) for v in views if v.numel()]
+        return _GlooHandle(self, peer, works, deadline, self.frame_bytes(tag, sizes), sending=True)
+
+    def irecv(self, peer: int, tag: int, buffers: Sequence[torch.Tensor], *, deadline: float) -> Handle:
+        self._ready(peer)
+        views = [as_bytes(b) for b in buffers]
+        sizes = [v.numel() for v in views]
+        header = torch.empty(HEADER_BYTES, dtype=torch.uint8)
+        works = [self._pg.recv([header], peer, tag)]
+        works += [self._pg.recv([v], peer, tag) for v in views if v.numel()]
+        return _GlooHandle(self, peer, works, deadline, self.frame_bytes(tag, sizes), sending=False,
+                           header=header, sizes=sizes, tag=tag)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._pg = None  # Gloo closes its pairs when the group is destroyed
+
+
+def create_gloo_transport(rendezvous: Rendezvous, rank: int, world_size: int,
+                          config: GlooTransportConfig | None = None) -> GlooTransport:
+    """The TransportFactory of this package (use functools.partial to bind a config)."""
+    return GlooTransport(rendezvous, rank, world_size, config or GlooTransportConfig())
+
+
