@@ -18,14 +18,15 @@ TIMEOUTS = Timeouts(op_s=10.0)
 def _workers(k: int, theta0: torch.Tensor, config: DiLoCoConfig) -> tuple[list[torch.nn.Parameter], list[DiLoCo]]:
     params = [torch.nn.Parameter(theta0.clone()) for _ in range(k)]
     transports = local_group(k)
-    dilocos = [DiLoCo([p], config=config, transport=t, timeouts=TIMEOUTS) for p, t in zip(params, transports)]
+    dilocos = [DiLoCo([p], config=config, transport=t, timeouts=TIMEOUTS)
+               for p, t in zip(params, transports, strict=True)]
     return params, dilocos
 
 
 def _outer_step(params, dilocos, local_weights):
     """Pretend each worker trained to `local_weights[i]`, then run the outer step on all of them."""
     with torch.no_grad():
-        for p, w in zip(params, local_weights):
+        for p, w in zip(params, local_weights, strict=True):
             p.copy_(w)
     return run_threads([d.sync for d in dilocos])
 
@@ -41,7 +42,7 @@ def test_nesterov_step_matches_hand_formula():
     # theta1 = theta0 - 0.7 * 1.9 * delta.
     mean = torch.tensor([0.1, 0.2, 0.1, 1.0])
     theta1 = theta0 - 0.7 * 1.9 * mean
-    for p, d in zip(params, dilocos):
+    for p, d in zip(params, dilocos, strict=True):
         torch.testing.assert_close(p.detach(), theta1, rtol=0, atol=1e-6)
         torch.testing.assert_close(d.state.momentum, mean, rtol=0, atol=1e-7)
     assert [r.num_contributors for r in results] == [3, 3, 3]
@@ -90,7 +91,7 @@ def test_one_worker_with_lr_one_and_no_momentum_is_plain_training():
     _train(plain, opt_plain, data)
     _train(wrapped, opt_wrapped, data, diloco)
     assert diloco.num_outer_steps_done == 3
-    for a, b in zip(plain.parameters(), wrapped.parameters()):
+    for a, b in zip(plain.parameters(), wrapped.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     assert not torch.equal(plain.weight, torch.nn.Linear(5, 3).weight)  # it did train
 

@@ -1,0 +1,1 @@
+"""openprime.train: the Llama model, data, schedule, loss, trainer and the `openprime` command."""

@@ -1,0 +1,85 @@
+"""The `openprime` command.
+
+    openprime run RECIPE [--nodes N] [--run-dir DIR] [--set key=value ...] [--dry-run]
+
+Everything about a run lives in its recipe; `--set` changes one config field for one run. The config
+is built and validated before any process starts, and a bad value ends the command with one message
+naming the field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import pathlib
+import sys
+
+import torch
+
+from openprime.core.errors import ConfigError
+from openprime.train.config import RunConfig
+from openprime.train.model import Llama, count_parameters, num_flops_per_token
+from openprime.train.recipe import loaded_recipe_files, recipe_config
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="openprime", description="Decentralised training with DiLoCo.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="run a recipe: several nodes on this machine")
+    run.add_argument("recipe", type=pathlib.Path, help="path of the recipe file, e.g. recipes/debug.py")
+    run.add_argument("--nodes", type=int, default=2, help="number of nodes to start on this machine (default 2)")
+    run.add_argument("--run-dir", type=pathlib.Path, default=None,
+                     help="where config, recipe and metrics go (default runs/NAME-TIMESTAMP)")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override one config field, e.g. --set diloco.num_inner_steps=10 (repeatable)")
+    run.add_argument("--dry-run", action="store_true",
+                     help="build the config and the model on the meta device, print them, start nothing")
+    return parser
+
+
+def dry_run(cfg: RunConfig, num_nodes: int) -> None:
+    """Print the config and the model's size; the model is built on the meta device (nothing allocated)."""
+    with torch.device("meta"):
+        model = Llama(cfg.model)
+    num_params = sum(p.numel() for p in model.parameters())
+    assert all(p.is_meta for p in model.parameters())
+    embed = cfg.model.vocab_size * cfg.model.dim
+    tokens_per_outer = cfg.train.batch_size * cfg.train.seq_len * cfg.diloco.num_inner_steps * num_nodes
+    print(f"run {cfg.name!r}: {num_nodes} nodes, {cfg.train.num_steps:,} inner steps, "
+          f"{cfg.num_outer_steps:,} outer steps of H={cfg.diloco.num_inner_steps}")
+    print(f"model: {num_params:,} parameters ({num_params / 1e9:.2f}B; counted by hand: "
+          f"{count_parameters(cfg.model):,}); {cfg.model.num_layers} layers, dim {cfg.model.dim}, "
+          f"{cfg.model.num_heads} heads, {cfg.model.num_kv_heads} KV heads, FFN {cfg.model.ffn_hidden_dim}, "
+          f"vocab {cfg.model.vocab_size}; embeddings + output {2 * embed:,}")
+    print(f"compute: {num_flops_per_token(cfg.model, cfg.train.seq_len) / 1e9:.1f} GFLOP per token; "
+          f"{tokens_per_outer:,} tokens per outer step across the nodes")
+    print(f"host memory per node for the DiLoCo state (fp32 weights, momentum, pseudo-gradient): "
+          f"{3 * 4 * num_params / 2**30:.1f} GiB")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.nodes < 1:
+            raise ConfigError(f"--nodes must be >= 1, got {args.nodes}")
+        cfg = recipe_config(args.recipe, args.overrides)
+    except ConfigError as e:
+        print(f"openprime: error: {e}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        dry_run(cfg, args.nodes)
+        return 0
+    from openprime.train.launcher import launch, write_run_files
+
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_dir = (args.run_dir or pathlib.Path("runs") / f"{cfg.name}-{stamp}").resolve()
+    if (run_dir / "metrics.jsonl").exists():
+        print(f"openprime: error: {run_dir} already holds a run; choose another --run-dir", file=sys.stderr)
+        return 2
+    write_run_files(run_dir, cfg, recipe=args.recipe.resolve(), recipe_files=loaded_recipe_files(),
+                    overrides=args.overrides, num_nodes=args.nodes)
+    return launch(cfg, num_nodes=args.nodes, run_dir=run_dir)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""The whole run's config tree: the only place (with recipes) that sees every component at once.
+
+A recipe builds a `RunConfig` from the components' own configs; `openprime run --set key=value`
+changes one field; cross-field rules are checked here, before any process starts.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+from openprime.core.config import (
+    config,
+    field,
+    instance_of,
+    non_negative_float,
+    one_of_enum,
+    positive_float,
+    positive_int,
+    unit_interval,
+)
+from openprime.core.errors import ConfigError
+from openprime.core.timeouts import Timeouts
+from openprime.diloco import DiLoCoConfig
+from openprime.train.data import DataConfig
+from openprime.train.model import ModelConfig
+from openprime.train.schedule import ScheduleConfig, validate_schedule
+
+
+@config
+class OptimizerConfig:
+    """The inner optimizer: AdamW with gradient clipping (INTELLECT-1, Appendix A)."""
+
+    lr: float = field(7.5e-5, doc="peak inner learning rate", validator=positive_float())
+    beta1: float = field(0.9, doc="AdamW beta1", validator=unit_interval())
+    beta2: float = field(0.95, doc="AdamW beta2", validator=unit_interval())
+    eps: float = field(1e-8, doc="AdamW epsilon", validator=positive_float())
+    weight_decay: float = field(0.1, doc="AdamW decoupled weight decay", validator=non_negative_float())
+    max_grad_norm: float = field(1.0, doc="clip the global gradient norm to this", validator=positive_float())
+
+
+@config
+class TrainConfig:
+    """The inner loop of one node."""
+
+    num_steps: int = field(90400, doc="inner steps of the whole run", validator=positive_int())
+    seq_len: int = field(8192, doc="tokens per sequence", validator=positive_int())
+    batch_size: int = field(128, doc="sequences per node per inner step", validator=positive_int())
+    z_loss_weight: float = field(2e-4, doc="weight of the max-z auxiliary loss", validator=non_negative_float())
+    seed: int = field(0, doc="seed of the weight init (the same on every node)", validator=instance_of(int))
+    log_every: int = field(10, doc="print progress every this many inner steps", validator=positive_int())
+
+
+class TransportKind(enum.Enum):
+    """Which Transport implementation carries the DiLoCo all-reduce."""
+
+    GLOO = "gloo"
+
+
+@config
+class TransportConfig:
+    """The transport between nodes (a site may override it; see DESIGN.md)."""
+
+    kind: TransportKind = field(TransportKind.GLOO, doc="transport implementation",
+                                validator=one_of_enum(TransportKind))
+    hostname: str = field("127.0.0.1", doc="address this node binds and advertises", validator=instance_of(str))
+
+
+@config
+class RunConfig:
+    """Everything one run needs; built by a recipe."""
+
+    name: str = field(doc="run name (the default run directory starts with it)", validator=instance_of(str))
+    model: ModelConfig = field(doc="model architecture", validator=instance_of(ModelConfig))
+    data: DataConfig = field(doc="training data and tokenizer", validator=instance_of(DataConfig))
+    optim: OptimizerConfig = field(factory=OptimizerConfig, doc="inner optimizer",
+                                   validator=instance_of(OptimizerConfig))
+    schedule: ScheduleConfig = field(factory=ScheduleConfig, doc="inner learning-rate schedule",
+                                     validator=instance_of(ScheduleConfig))
+    train: TrainConfig = field(factory=TrainConfig, doc="inner loop", validator=instance_of(TrainConfig))
+    diloco: DiLoCoConfig = field(factory=DiLoCoConfig, doc="outer loop", validator=instance_of(DiLoCoConfig))
+    transport: TransportConfig = field(factory=TransportConfig, doc="transport between nodes",
+                                       validator=instance_of(TransportConfig))
+    timeouts: Timeouts = field(factory=Timeouts, doc="every deadline of the run", validator=instance_of(Timeouts))
+
+    def __attrs_post_init__(self) -> None:
+        if self.data.vocab_size != self.model.vocab_size:
+            raise ConfigError(
+                f"data.vocab_size {self.data.vocab_size} differs from model.vocab_size {self.model.vocab_size}; "
+                "set both to the tokenizer's vocabulary size"
+            )
+        if self.train.seq_len > self.model.max_seq_len:
+            raise ConfigError(
+                f"train.seq_len {self.train.seq_len} exceeds model.max_seq_len {self.model.max_seq_len}; "
+                "shorten the sequences or raise max_seq_len"
+            )
+        if self.train.num_steps % self.diloco.num_inner_steps:
+            h = self.diloco.num_inner_steps
+            raise ConfigError(
+                f"train.num_steps {self.train.num_steps} is not a multiple of diloco.num_inner_steps {h}; "
+                f"the run must end on an outer step (e.g. train.num_steps={max(h, self.train.num_steps // h * h)})"
+            )
+        validate_schedule(num_warmup_steps=self.schedule.num_warmup_steps,
+                          num_decay_steps=self.schedule.num_decay_steps, num_steps=self.train.num_steps)
+
+    @property
+    def num_outer_steps(self) -> int:
+        return self.train.num_steps // self.diloco.num_inner_steps
+
+
+def evolve(cfg: RunConfig, **changes: object) -> RunConfig:
+    """attrs.evolve for recipes deriving from a base recipe (validated again)."""
+    return attrs.evolve(cfg, **changes)

@@ -1,0 +1,97 @@
+"""Metrics of a run: one JSONL file in the run directory, written by every node, and the progress line.
+
+Each record is one JSON object on one line with `kind` ("step", "outer", "start", "end"), `node`,
+and a wall-clock `time`. Nodes append whole lines with single O_APPEND writes, so their records
+interleave but never tear. `summarize` reads a run back (the launcher's closing table, the tests).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+import time
+from collections import defaultdict
+from typing import Any
+
+import attrs
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class MetricsWriter:
+    """Appends this node's records to the run's metrics file."""
+
+    def __init__(self, run_dir: pathlib.Path, node: int) -> None:
+        self.node = node
+        self._fd = os.open(run_dir / METRICS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def write(self, kind: str, **fields: Any) -> None:
+        record = {"kind": kind, "node": self.node, "time": round(time.time(), 3), **fields}
+        os.write(self._fd, (json.dumps(record) + "\n").encode())
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def say(line: str) -> None:
+    """Print one line with a single write, so that lines of concurrent nodes never tear."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def progress_line(*, node: int, step: int, num_steps: int, loss: float, tokens_per_s: float, outer_steps: int,
+                  bytes_sent: int, lr: float) -> str:
+    return (f"[node {node}] step {step}/{num_steps} | loss {loss:.4f} | lr {lr:.2e} | "
+            f"{tokens_per_s / 1000:.1f}k tok/s | outer syncs {outer_steps} | sent {human_bytes(bytes_sent)}")
+
+
+@attrs.frozen
+class RunSummary:
+    """What a finished run's metrics say."""
+
+    num_nodes: int
+    losses: dict[int, list[float]]  # node -> loss per inner step
+    hashes: dict[int, dict[int, str]]  # outer step -> node -> hash of the global state
+    bytes_sent: dict[int, int]  # node -> bytes sent in all outer steps
+
+    @property
+    def num_outer_steps(self) -> int:
+        return len(self.hashes)
+
+    @property
+    def hashes_agree(self) -> bool:
+        return all(len(set(by_node.values())) == 1 and len(by_node) == self.num_nodes
+                   for by_node in self.hashes.values())
+
+
+def read_records(run_dir: pathlib.Path) -> list[dict[str, Any]]:
+    path = run_dir / METRICS_FILE
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def summarize(run_dir: pathlib.Path) -> RunSummary:
+    records = read_records(run_dir)
+    losses: dict[int, list[float]] = defaultdict(list)
+    hashes: dict[int, dict[int, str]] = defaultdict(dict)
+    sent: dict[int, int] = defaultdict(int)
+    nodes = set()
+    for r in records:
+        nodes.add(r["node"])
+        if r["kind"] == "step":
+            losses[r["node"]].append(r["loss"])
+        elif r["kind"] == "outer":
+            hashes[r["outer_step"]][r["node"]] = r["state_hash"]
+            sent[r["node"]] += r["bytes_sent"]
+    return RunSummary(num_nodes=len(nodes), losses=dict(losses), hashes=dict(hashes), bytes_sent=dict(sent))

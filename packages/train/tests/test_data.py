@@ -1,0 +1,188 @@
+"""Tests of the local-text data pipeline: tokenizer, cache, splits and packed batches."""
+
+from __future__ import annotations
+
+import time
+
+import attrs
+import numpy as np
+import pytest
+import torch
+
+from openprime.core.config import override
+from openprime.core.errors import ConfigError
+from openprime.train.data import (
+    DataConfig,
+    PackedBatches,
+    Source,
+    Split,
+    cpython_documents,
+    kjv_documents,
+    load_tokenizer,
+    load_tokens,
+    prepare_data,
+)
+
+SMALL_CHARS = 200_000
+
+
+@pytest.fixture(scope="module")
+def small_cfg(tmp_path_factory) -> DataConfig:
+    cache = tmp_path_factory.mktemp("openprime-cache")
+    return DataConfig(vocab_size=4096, max_chars_per_source=SMALL_CHARS, val_fraction=0.05, cache_dir=str(cache))
+
+
+@pytest.fixture(scope="module")
+def prepared(small_cfg):
+    return prepare_data(small_cfg)
+
+
+def test_kjv_documents_are_chapters_without_verse_numbers():
+    first = next(kjv_documents())
+    assert first.startswith("Genesis 1\n\nIn the beginning God created")
+    assert "1:2" not in first and "And the earth was without form" in first
+    assert "31:49" not in next(d for d in kjv_documents() if d.startswith("Genesis 31\n"))
+
+
+def test_cpython_documents_are_standard_library_sources():
+    first = next(cpython_documents())
+    assert "__future__" in first or "import" in first
+
+
+def test_tokenizer_round_trips_real_text(prepared):
+    tokenizer = load_tokenizer(prepared)
+    verse = next(kjv_documents()).split("\n\n", 1)[1][:400]
+    code = 'def f(x: int) -> str:\n    """Docstring."""\n    return f"{x!r:>10}"  # ünïcødé\n\tpass\n'
+    for text in (verse, code):
+        ids = tokenizer.encode(text).ids
+        assert tokenizer.decode(ids) == text
+    # A trained BPE compresses English prose well below one token per byte.
+    assert len(tokenizer.encode(verse).ids) < len(verse.encode()) / 2.5
+
+
+def test_vocab_size_and_stream(prepared, small_cfg):
+    assert prepared.vocab_size == load_tokenizer(prepared).get_vocab_size() == small_cfg.vocab_size
+    stream = np.load(prepared.tokens_path)
+    assert stream.dtype == np.uint16
+    assert len(stream) == prepared.num_tokens
+    assert stream.max() < small_cfg.vocab_size
+    assert (stream == prepared.eot_id).sum() == prepared.num_documents
+    assert stream[-1] == prepared.eot_id
+
+
+def test_train_and_val_split_the_stream(prepared):
+    train, val = load_tokens(prepared, Split.TRAIN), load_tokens(prepared, "val")
+    assert len(train) + len(val) == prepared.num_tokens
+    assert len(val) == int(prepared.num_tokens * 0.05)
+    assert np.array_equal(np.concatenate([train, val]), np.load(prepared.tokens_path))
+
+
+def test_prepare_twice_reuses_the_cache(prepared, small_cfg):
+    mtimes = {p: p.stat().st_mtime_ns for p in prepared.directory.iterdir()}
+    start = time.perf_counter()
+    again = prepare_data(small_cfg)
+    assert time.perf_counter() - start < 0.1
+    assert again == prepared
+    assert {p: p.stat().st_mtime_ns for p in again.directory.iterdir()} == mtimes
+    assert not [p for p in prepared.directory.iterdir() if p.name.endswith(".tmp")]
+    # val_fraction and seed do not change the tokens, so they share the entry.
+    assert prepare_data(attrs.evolve(small_cfg, val_fraction=0.1, seed=3)).directory == prepared.directory
+
+
+def test_preparation_is_deterministic(prepared, small_cfg, tmp_path):
+    elsewhere = prepare_data(attrs.evolve(small_cfg, cache_dir=str(tmp_path)))
+    assert elsewhere.directory != prepared.directory
+    assert elsewhere.tokens_sha256 == prepared.tokens_sha256
+    assert elsewhere.tokenizer_path.read_text() == prepared.tokenizer_path.read_text()
+
+
+def test_nodes_get_disjoint_sequences_covering_the_stream(prepared):
+    tokens = load_tokens(prepared, Split.TRAIN)
+    seq_len, num_nodes = 64, 3
+    num_rows = len(tokens) // (seq_len + 1)
+    seen: list[bytes] = []
+    for rank in range(num_nodes):
+        batches = PackedBatches(tokens, seq_len=seq_len, batch_size=1, node_rank=rank, num_nodes=num_nodes,
+                                seed=0)
+        rows = [next(batches) for _ in range(batches.batches_per_epoch)]
+        seen.extend(torch.cat([x[0], y[0, -1:]]).numpy().astype(np.uint16).tobytes() for x, y in rows)
+    expected = [tokens[i * (seq_len + 1):(i + 1) * (seq_len + 1)].tobytes() for i in range(num_rows)]
+    assert sorted(seen) == sorted(expected)  # every row exactly once across the nodes
+
+
+def test_batches_shapes_and_shift(prepared):
+    tokens = load_tokens(prepared, Split.TRAIN)
+    batches = PackedBatches(tokens, seq_len=32, batch_size=4, node_rank=0, num_nodes=2, seed=0)
+    inputs_BL, targets_BL = next(batches)
+    assert inputs_BL.shape == targets_BL.shape == (4, 32)
+    assert inputs_BL.dtype == targets_BL.dtype == torch.int64
+    assert torch.equal(inputs_BL[:, 1:], targets_BL[:, :-1])
+    # Each row is a contiguous run of the stream starting at a multiple of seq_len + 1.
+    for row_L, last in zip(inputs_BL.numpy(), targets_BL[:, -1].numpy(), strict=True):
+        starts = [s for s in range(0, len(tokens) - 32, 33) if np.array_equal(tokens[s:s + 32], row_L)]
+        assert starts and tokens[starts[0] + 32] == last
+
+
+def test_epochs_reshuffle_and_wrap(prepared):
+    tokens = load_tokens(prepared, Split.TRAIN)[:33 * 40]
+    batches = PackedBatches(tokens, seq_len=32, batch_size=8, node_rank=0, num_nodes=1, seed=0)
+    assert batches.batches_per_epoch == 5
+    epoch0 = [next(batches)[0] for _ in range(5)]
+    epoch1 = [next(batches)[0] for _ in range(5)]
+    assert batches.state_dict()["epoch"] == 1
+    key = lambda batch: sorted(map(bytes, batch.numpy()))  # noqa: E731
+    assert sorted(r for b in epoch0 for r in key(b)) == sorted(r for b in epoch1 for r in key(b))
+    assert not all(torch.equal(a, b) for a, b in zip(epoch0, epoch1, strict=True))
+
+
+def test_state_dict_resumes_exactly(prepared):
+    tokens = load_tokens(prepared, Split.TRAIN)
+    make = lambda: PackedBatches(tokens, seq_len=16, batch_size=8, node_rank=1, num_nodes=2, seed=7)  # noqa: E731
+    original = make()
+    for _ in range(original.batches_per_epoch - 2):  # stop near an epoch boundary
+        next(original)
+    state = original.state_dict()
+    expected = [next(original) for _ in range(5)]
+    resumed = make()
+    resumed.load_state_dict(state)
+    for (x, y), (rx, ry) in zip(expected, (next(resumed) for _ in range(5)), strict=True):
+        assert torch.equal(x, rx) and torch.equal(y, ry)
+    with pytest.raises(ValueError, match="num_nodes"):
+        PackedBatches(tokens, seq_len=16, batch_size=8, node_rank=1, num_nodes=3, seed=7).load_state_dict(state)
+
+
+def test_same_seed_same_batches_other_seed_other_order(prepared):
+    tokens = load_tokens(prepared, Split.TRAIN)
+    make = lambda seed: PackedBatches(tokens, seq_len=32, batch_size=4, node_rank=0, num_nodes=1, seed=seed)  # noqa: E731
+    a, b, c = make(0), make(0), make(1)
+    for _ in range(3):
+        xa, xb, xc = next(a)[0], next(b)[0], next(c)[0]
+        assert torch.equal(xa, xb)
+    assert not torch.equal(xa, xc)
+
+
+def test_too_little_data_is_refused():
+    with pytest.raises(ConfigError, match="batch_size"):
+        PackedBatches(np.arange(100, dtype=np.uint16), seq_len=32, batch_size=4, node_rank=0, num_nodes=1,
+                      seed=0)
+    with pytest.raises(ConfigError, match="node_rank"):
+        PackedBatches(np.arange(100, dtype=np.uint16), seq_len=8, batch_size=1, node_rank=2, num_nodes=2,
+                      seed=0)
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"sources": ()}, "DataConfig.sources"),
+    ({"sources": (Source.KJV, Source.KJV)}, "twice"),
+    ({"sources": ("kjv",)}, "DataConfig.sources"),
+    ({"vocab_size": 200}, "DataConfig.vocab_size"),
+    ({"val_fraction": 1.0}, "DataConfig.val_fraction"),
+    ({"max_chars_per_source": 0}, "DataConfig.max_chars_per_source"),
+])
+def test_bad_configs_are_refused(changes, message):
+    with pytest.raises(ConfigError, match=message):
+        DataConfig(**changes)
+
+
+def test_sources_can_be_set_from_the_command_line():
+    assert override(DataConfig(), "sources", "kjv").sources == (Source.KJV,)
+    assert override(DataConfig(), "sources", "cpython,kjv").sources == (Source.CPYTHON, Source.KJV)

@@ -1,0 +1,34 @@
+"""INTELLECT-1: the 10B-parameter run of Prime Intellect (arXiv 2412.01152), every number written once.
+
+Model: Llama-3 with 42 layers (Appendix A). Inner loop: AdamW lr 7.5e-5, betas (0.9, 0.95), weight
+decay 0.1, gradient clip 1.0, 128 sequences of 8192 tokens per node per inner step, max-z-loss 2e-4.
+Schedule: warmup 1000 steps, stable until step 74,700, then a 1-sqrt cooldown to step 90,400.
+Outer loop: DiLoCo with H = 100 inner steps, Nesterov outer lr 0.7, momentum 0.9.
+
+The real data mix (FineWeb-Edu 55, FineWeb 10, Stack 20, DCLM 10, OpenWebMath 5) loads from local files
+the user provides; until the data layer reads them, this recipe points at the offline text with the
+Llama-3 vocabulary size so that the config is whole and the model is the paper's.
+"""
+
+from openprime.diloco import DiLoCoConfig, OuterOptimizer
+from openprime.train.config import OptimizerConfig, RunConfig, TrainConfig
+from openprime.train.data import DataConfig
+from openprime.train.model import FLAVORS
+from openprime.train.schedule import DecayShape, ScheduleConfig
+
+NUM_STEPS = 90_400
+STABLE_UNTIL_STEP = 74_700
+
+
+def config() -> RunConfig:
+    return RunConfig(
+        name="intellect1-10b",
+        model=FLAVORS["10B"],
+        data=DataConfig(vocab_size=FLAVORS["10B"].vocab_size),
+        optim=OptimizerConfig(lr=7.5e-5, beta1=0.9, beta2=0.95, weight_decay=0.1, max_grad_norm=1.0),
+        schedule=ScheduleConfig(num_warmup_steps=1000, num_decay_steps=NUM_STEPS - STABLE_UNTIL_STEP,
+                                decay_shape=DecayShape.ONE_MINUS_SQRT),
+        train=TrainConfig(num_steps=NUM_STEPS, seq_len=8192, batch_size=128, z_loss_weight=2e-4),
+        diloco=DiLoCoConfig(num_inner_steps=100, outer_lr=0.7, outer_momentum=0.9,
+                            outer_optimizer=OuterOptimizer.NESTEROV),
+    )

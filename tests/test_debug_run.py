@@ -1,0 +1,49 @@
+"""End to end: `openprime run recipes/debug.py --nodes 2` trains two real node processes over Gloo.
+
+Asserts what the walking skeleton promises: several outer steps complete, the loss falls on real
+text, both nodes' global-state hashes are identical after every outer step, and the run directory
+holds the resolved config, the recipe sources and the metrics.
+"""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from openprime.train.metrics import read_records, summarize
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_two_node_debug_run(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "openprime.train.cli", "run", str(ROOT / "recipes" / "debug.py"), "--nodes", "2",
+           "--run-dir", str(run_dir), "--set", "train.num_steps=100", "--set", "diloco.num_inner_steps=10"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "global state hashes identical on every node after every outer step" in proc.stdout
+    assert "[node 1] step 100/100" in proc.stdout
+
+    summary = summarize(run_dir)
+    assert summary.num_nodes == 2
+    assert summary.num_outer_steps == 10
+    assert summary.hashes_agree, summary.hashes
+    for losses in summary.losses.values():
+        assert len(losses) == 100
+        first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
+        assert last < first - 1.5, (first, last)  # from ~8.3 (ln 4096) down on real text
+
+    # The outer step moves the same bytes on both nodes: a ring of 2 sends the whole fp32 vector once.
+    outer = [r for r in read_records(run_dir) if r["kind"] == "outer"]
+    assert {r["num_contributors"] for r in outer} == {2}
+    starts = [r for r in read_records(run_dir) if r["kind"] == "start"]
+    assert len({r["state_hash"] for r in starts}) == 1  # identical initial weights, checked before step 1
+
+    resolved = json.loads((run_dir / "config.json").read_text())
+    assert resolved["overrides"] == ["train.num_steps=100", "diloco.num_inner_steps=10"]
+    assert resolved["config"]["train"]["num_steps"] == 100
+    assert resolved["config"]["diloco"]["outer_lr"] == 0.7
+    assert sorted(p.name for p in (run_dir / "recipe").iterdir()) == ["debug.py", "intellect1_10b.py"]
