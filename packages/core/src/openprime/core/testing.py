@@ -149,7 +149,7 @@ class _LocalRecv(Handle):
             raise FrameError(self._peer, f"expected sizes {sizes}, got {[m.numel() for m in message]}")
         for buf, m in zip(self._buffers, message, strict=True):
             as_bytes(buf).copy_(m)
-        self._t.bytes_received += self._t.frame_bytes(self._tag, sizes)
+        self._t._count(received=self._t.frame_bytes(self._tag, sizes))
         self._done = True
 
 
@@ -167,7 +167,7 @@ class LocalTransport(Transport):
             raise PeerFailure(peer, "transport is closed")
         message = [as_bytes(b).clone() for b in buffers]
         self._hub[(self.rank, peer, tag)].put(message)
-        self.bytes_sent += self.frame_bytes(tag, [m.numel() for m in message])
+        self._count(sent=self.frame_bytes(tag, [m.numel() for m in message]))
         return _Done()
 
     def irecv(self, peer: int, tag: int, buffers: Sequence[torch.Tensor], *, deadline: float) -> Handle:

@@ -18,6 +18,7 @@ suite in `openprime.core.testing`.
 
 from __future__ import annotations
 
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -65,8 +66,24 @@ class Transport(ABC):
             raise ValueError(f"rank {rank} is outside a group of {world_size}")
         self.rank = rank
         self.world_size = world_size
-        self.bytes_sent = 0
-        self.bytes_received = 0
+        self._counter_lock = threading.Lock()
+        self._bytes_sent = 0
+        self._bytes_received = 0
+
+    @property
+    def bytes_sent(self) -> int:
+        """Framed bytes handed to the wire so far."""
+        return self._bytes_sent
+
+    @property
+    def bytes_received(self) -> int:
+        """Framed bytes taken from the wire so far."""
+        return self._bytes_received
+
+    def _count(self, *, sent: int = 0, received: int = 0) -> None:
+        with self._counter_lock:
+            self._bytes_sent += sent
+            self._bytes_received += received
 
     @abstractmethod
     def isend(self, peer: int, tag: int, buffers: Sequence[torch.Tensor], *, deadline: float) -> Handle:

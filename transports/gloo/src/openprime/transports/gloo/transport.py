@@ -11,7 +11,6 @@ that timed out is closed by Gloo, so after a PeerFailure the group is rebuilt, n
 from __future__ import annotations
 
 import datetime
-import threading
 from collections.abc import Sequence
 
 import torch
@@ -58,11 +57,10 @@ class _GlooHandle(Handle):
             if i == 0 and self._header is not None:
                 self._check_header()
         self._done = True
-        with self._t._lock:
-            if self._sending:
-                self._t.bytes_sent += self._nbytes
-            else:
-                self._t.bytes_received += self._nbytes
+        if self._sending:
+            self._t._count(sent=self._nbytes)
+        else:
+            self._t._count(received=self._nbytes)
 
     def _check_header(self) -> None:
         try:
@@ -83,7 +81,6 @@ class GlooTransport(Transport):
     def __init__(self, rendezvous: Rendezvous, rank: int, world_size: int, config: GlooTransportConfig) -> None:
         super().__init__(rank, world_size)
         self.config = config
-        self._lock = threading.Lock()
         self._closed = False
         self._broken = False
         store = connect_store(rendezvous, config.connect_timeout_s, suffix="/gloo")

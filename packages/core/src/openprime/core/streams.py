@@ -1,0 +1,36 @@
+"""What the stream transports (raw TCP and ZeroMQ) share: their settings.
+
+Both move messages as chunked data frames over `num_connections` connections per peer (outbox.py),
+reassemble them into the receiver's buffers (mailbox.py), shape every link (shaping.py) and
+authenticate every connection (auth.py). Their config is therefore one class.
+"""
+
+from __future__ import annotations
+
+from openprime.core.auth import AuthConfig
+from openprime.core.config import config, field, instance_of, positive_float, positive_int
+from openprime.core.shaping import PIECE_BYTES, LinkShaping
+
+
+@config
+class StreamTransportConfig:
+    """Settings of a stream transport (TCP or ZeroMQ)."""
+
+    hostname: str = field("127.0.0.1", doc="address to listen on and advertise to peers", validator=instance_of(str))
+    num_connections: int = field(4, doc="parallel connections per peer; large messages are striped over them",
+                                 validator=positive_int())
+    chunk_bytes: int = field(4 << 20, doc="largest piece of a message sent as one frame", validator=positive_int())
+    max_frame_bytes: int = field(1 << 34, doc="largest message accepted from a peer (bytes)", validator=positive_int())
+    max_unexpected_bytes: int = field(1 << 30, doc="bytes held for receives not yet posted, per transport",
+                                      validator=positive_int())
+    connect_timeout_s: float = field(60.0, doc="bound on finding, connecting to and authenticating a peer",
+                                     validator=positive_float())
+    shaping: LinkShaping = field(factory=LinkShaping, doc="simulated WAN rate and latency per link",
+                                 validator=instance_of(LinkShaping))
+    auth: AuthConfig = field(factory=AuthConfig, doc="run id and shared secret checked on every connection",
+                             validator=instance_of(AuthConfig))
+
+    @property
+    def effective_chunk_bytes(self) -> int:
+        """Shaped links pace in small pieces so that a large message flows at the link's rate."""
+        return min(self.chunk_bytes, PIECE_BYTES) if self.shaping.active else self.chunk_bytes

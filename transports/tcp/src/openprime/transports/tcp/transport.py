@@ -1,0 +1,364 @@
+"""A Transport over plain TCP sockets, for networks where Gloo and VPNs get in the way.
+
+INTELLECT-1's Tailscale VPN became its bottleneck (paper, section 3.1); this transport needs only one
+open TCP port per node. Each rank listens on one socket and publishes its address in the rendezvous
+store. To send to a peer it opens `num_connections` connections to it (lazily, on first use), proves
+itself in a handshake (run id, and an HMAC challenge-response when the site has a shared secret), and
+from then on only writes data frames on them; the peer only reads. Each direction of each pair thus
+has its own connections, and a reader thread per incoming connection fills the receiver's buffers
+directly (openprime.core.mailbox). Large messages are striped over the connections (outbox.py).
+
+A peer that restarts comes back with a new incarnation: its connections replace the old ones and
+sequence numbers restart. A connection that breaks makes the sender reconnect with a new generation on
+its next send. Frames that are not valid (magic, version, size, msgpack, tag) close that connection,
+are logged with the peer's address, and never stop the transport from serving its other peers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import uuid
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+
+from openprime.core import auth
+from openprime.core.distributed import connect_store
+from openprime.core.errors import FrameError, OpenPrimeError, PeerFailure
+from openprime.core.frames import (
+    KIND_CONTROL,
+    PREFIX_BYTES,
+    decode_control,
+    decode_header,
+    decode_prefix,
+    encode_control,
+)
+from openprime.core.mailbox import Mailbox
+from openprime.core.outbox import Chunk, ConnectionWriter, SendHandle, now, plan_chunks
+from openprime.core.shaping import LinkShaper
+from openprime.core.streams import StreamTransportConfig
+from openprime.core.transport import Handle, Rendezvous, Transport, as_bytes, remaining
+
+log = logging.getLogger("openprime.transports.tcp")
+TcpTransportConfig = StreamTransportConfig
+_DISCARD_BYTES = 1 << 20
+_BYE = {"op": "bye"}
+
+
+def _recv_exact_into(sock: socket.socket, view: memoryview) -> bool:
+    """Fill `view` from the socket; False on a clean end of stream before the first byte."""
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            if got == 0:
+                return False
+            raise ConnectionError(f"connection closed after {got} of {len(view)} bytes of a frame")
+        got += n
+    return True
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    buf = bytearray(n)
+    return bytes(buf) if _recv_exact_into(sock, memoryview(buf)) else None
+
+
+def _read_control(sock: socket.socket, who: str) -> dict:
+    prefix = _recv_exact(sock, PREFIX_BYTES)
+    if prefix is None:
+        raise ConnectionError("connection closed during the handshake")
+    kind, n = decode_prefix(prefix, who)
+    if kind != KIND_CONTROL:
+        raise FrameError(who, "expected a handshake frame")
+    return decode_control(_recv_exact(sock, n) or b"", who)
+
+
+class _OutLink:
+    """This rank's connections to one peer, and the sequence numbers of what it sent there."""
+
+    def __init__(self, shaper: LinkShaper) -> None:
+        self.lock = threading.Lock()
+        self.shaper = shaper
+        self.writers: list[ConnectionWriter] = []
+        self.sockets: list[socket.socket] = []
+        self.next_seq: dict[int, int] = defaultdict(int)
+        self.generation = 0
+        self.broken = True  # nothing connected yet
+        self.turn = 0
+
+
+class TcpTransport(Transport):
+    """Transport over TCP with parallel connections per peer; see the module docstring."""
+
+    def __init__(self, rendezvous: Rendezvous, rank: int, world_size: int, config: StreamTransportConfig) -> None:
+        super().__init__(rank, world_size)
+        self.config = config
+        self.refusals: list[tuple[str, str]] = []  # (address, reason) of every refused connection or frame
+        self._secret = config.auth.load_secret()
+        self._incarnation = uuid.uuid4().hex
+        self._mailbox = Mailbox(max_unexpected_bytes=config.max_unexpected_bytes)
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        self._out = {p: _OutLink(LinkShaper(config.shaping)) for p in range(world_size) if p != rank}
+        self._in_generation: dict[int, tuple[str, int]] = {}
+        self._in_sockets: dict[int, list[socket.socket]] = defaultdict(list)
+        self._store = connect_store(rendezvous, config.connect_timeout_s, suffix="/tcp")
+        self._listener = socket.create_server((config.hostname, 0), backlog=128)
+        host, port = self._listener.getsockname()[:2]
+        self._store.set(f"addr/{rank}", f"{host}:{port}")
+        threading.Thread(target=self._accept_loop, name=f"tcp-accept-{rank}", daemon=True).start()
+        # Connect to every peer now, in the background, as Gloo does: a peer that dies later is then seen at
+        # once (its connections to us end without a goodbye), and one that cannot be reached fails our receives.
+        for peer in self._out:
+            threading.Thread(target=self._connect_early, args=(peer,), name=f"tcp-connect-{rank}-{peer}",
+                             daemon=True).start()
+
+    @property
+    def bytes_received(self) -> int:
+        return self._mailbox.bytes_received
+
+    # ------------------------------------------------------------------ sending
+
+    def isend(self, peer: int, tag: int, buffers: Sequence[torch.Tensor], *, deadline: float) -> Handle:
+        link = self._connected(peer, deadline)
+        views = [as_bytes(b) for b in buffers]
+        with link.lock:
+            seq = link.next_seq[tag]
+            link.next_seq[tag] = seq + 1
+            planned = plan_chunks(views, tag=tag, seq=seq, chunk_bytes=self.config.effective_chunk_bytes)
+            framed = sum(len(h) + p.numel() for h, p in planned)
+            handle = SendHandle(peer, len(planned), deadline, on_done=lambda: self._count(sent=framed))
+            queued_at = now()
+            for j, (header, payload) in enumerate(planned):
+                writer = link.writers[(link.turn + j) % len(link.writers)]
+                writer.put(Chunk(header=header, payload=payload, handle=handle, queued_at=queued_at, deadline=deadline))
+            link.turn += len(planned)
+        return handle
+
+    def frame_bytes(self, tag: int, sizes: Sequence[int]) -> int:
+        views = [torch.empty(s, dtype=torch.uint8) for s in sizes]
+        return sum(len(h) + p.numel() for h, p in plan_chunks(
+            views, tag=tag, seq=0, chunk_bytes=self.config.effective_chunk_bytes))
+
+    def _connect_early(self, peer: int) -> None:
+        try:
+            self._connected(peer, now() + self.config.connect_timeout_s)
+        except PeerFailure as e:
+            if not self._closed.is_set():
+                self._mailbox.peer_lost(peer, e.reason)
+
+    def _connected(self, peer: int, deadline: float) -> _OutLink:
+        self._check_peer(peer)
+        if self._closed.is_set():
+            raise PeerFailure(peer, "transport is closed")
+        link = self._out[peer]
+        with link.lock:
+            if link.broken:
+                self._connect(peer, link, deadline)
+        return link
+
+    def _connect(self, peer: int, link: _OutLink, deadline: float) -> None:
+        """(Re)open all connections to `peer` as a new generation. Holds link.lock."""
+        self._drop(link)
+        link.generation += 1
+        link.next_seq.clear()
+        timeout = min(self.config.connect_timeout_s, max(remaining(deadline), 0.001))
+        try:
+            host, port = self._store.get(f"addr/{peer}").decode().rsplit(":", 1)
+            for conn in range(self.config.num_connections):
+                sock = socket.create_connection((host, int(port)), timeout=timeout)
+                link.sockets.append(sock)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self._client_handshake(sock, peer, conn, link.generation)
+        except (OSError, OpenPrimeError, RuntimeError) as e:
+            self._drop(link)
+            raise PeerFailure(peer, f"cannot connect: {e}") from None
+        for conn, sock in enumerate(link.sockets):
+            link.writers.append(ConnectionWriter(
+                f"tcp-send-{self.rank}-{peer}-{conn}", self._writer_for(sock), link.shaper,
+                on_error=lambda e, p=peer, g=link.generation: self._send_failed(p, g, e)))
+        link.broken = False
+
+    def _client_handshake(self, sock: socket.socket, peer: int, conn: int, generation: int) -> None:
+        nonce = auth.new_nonce()
+        sock.sendall(encode_control(auth.hello(self.config.auth, rank=self.rank, to=peer, conn=conn,
+                                               incarnation=self._incarnation, generation=generation, nonce=nonce)))
+        reply = _read_control(sock, f"rank {peer}")
+        proof = auth.client_answer(reply, auth=self.config.auth, secret=self._secret, rank=self.rank, nonce=nonce)
+        if proof is not None:
+            sock.sendall(encode_control(proof))
+            auth.client_answer(_read_control(sock, f"rank {peer}"), auth=self.config.auth, secret=None,
+                               rank=self.rank, nonce=nonce)
+
+    @staticmethod
+    def _writer_for(sock: socket.socket):
+        def write(chunk: Chunk) -> None:
+            sock.settimeout(max(remaining(chunk.deadline), 0.001))
+            sock.sendall(chunk.header)
+            if chunk.payload.numel():
+                sock.sendall(memoryview(chunk.payload.numpy()))
+        return write
+
+    def _send_failed(self, peer: int, generation: int, error: BaseException) -> None:
+        link = self._out[peer]
+        with link.lock:
+            if link.generation == generation:
+                link.broken = True  # the next send reconnects
+
+    def _drop(self, link: _OutLink, *, goodbye: bool = False) -> None:
+        for writer in link.writers:
+            writer.stop(timeout_s=0.5)
+        for sock in link.sockets:
+            if goodbye and not link.broken:
+                _send_quietly(sock, encode_control(_BYE))
+            _close(sock)
+        link.writers, link.sockets, link.broken = [], [], True
+
+    # ------------------------------------------------------------------ receiving
+
+    def irecv(self, peer: int, tag: int, buffers: Sequence[torch.Tensor], *, deadline: float) -> Handle:
+        self._check_peer(peer)
+        if self._closed.is_set():
+            raise PeerFailure(peer, "transport is closed")
+        return self._mailbox.post(peer, tag, list(buffers), deadline)
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                sock, addr = self._listener.accept()
+            except OSError:
+                return  # the listener was closed
+            thread = threading.Thread(target=self._serve, args=(sock, f"{addr[0]}:{addr[1]}"), daemon=True,
+                                      name=f"tcp-recv-{self.rank}")
+            thread.start()
+
+    def _serve(self, sock: socket.socket, addr: str) -> None:
+        peer = None
+        try:
+            sock.settimeout(self.config.connect_timeout_s)
+            peer = self._server_handshake(sock, addr)
+            sock.settimeout(None)
+            self._read_frames(sock, peer, addr)
+        except auth.Refused as e:
+            self._refuse(addr, str(e))
+            _send_quietly(sock, encode_control({"op": "refused", "reason": str(e)}))
+        except FrameError as e:
+            self._refuse(addr, str(e))
+            if peer is not None:
+                self._mailbox.peer_lost(peer, f"sent an invalid frame: {e.reason}")
+        except OSError as e:
+            if peer is not None and not self._closed.is_set() and self._is_current(peer, sock):
+                self._mailbox.peer_lost(peer, f"connection lost: {e}")
+        finally:
+            _close(sock)
+
+    def _server_handshake(self, sock: socket.socket, addr: str) -> int:
+        msg = _read_control(sock, addr)
+        reply, server_nonce = auth.server_reply(msg, auth=self.config.auth, secret=self._secret,
+                                                my_rank=self.rank, world_size=self.world_size)
+        peer = msg["rank"]
+        if server_nonce is not None:
+            sock.sendall(encode_control(reply))
+            auth.server_check(_read_control(sock, addr), auth=self.config.auth, secret=self._secret,
+                              client_rank=peer, server_nonce=server_nonce)
+            reply = {"op": "ok"}
+        self._register(peer, sock, (msg["incarnation"], msg["generation"]))
+        sock.sendall(encode_control(reply))
+        return peer
+
+    def _register(self, peer: int, sock: socket.socket, generation: tuple[str, int]) -> None:
+        with self._lock:
+            previous = self._in_generation.get(peer)
+            if previous != generation:
+                self._in_generation[peer] = generation
+                for old in self._in_sockets.pop(peer, []):
+                    _close(old)
+                if previous is not None:
+                    # A restarted peer, or one that reconnected after a failure: its streams start afresh.
+                    self._mailbox.peer_reset(peer)
+            self._in_sockets[peer].append(sock)
+
+    def _is_current(self, peer: int, sock: socket.socket) -> bool:
+        with self._lock:
+            return sock in self._in_sockets.get(peer, [])
+
+    def _read_frames(self, sock: socket.socket, peer: int, addr: str) -> None:
+        who = f"rank {peer} at {addr}"
+        prefix = bytearray(PREFIX_BYTES)
+        while _recv_exact_into(sock, memoryview(prefix)):
+            kind, n = decode_prefix(prefix, who)
+            if kind == KIND_CONTROL:
+                if decode_control(_recv_exact(sock, n) or b"", who) != _BYE:
+                    raise FrameError(who, "handshake frame after the handshake")
+                self._goodbye(peer, sock)
+                return
+            header = decode_header(_recv_exact(sock, n) or b"", who, max_frame_bytes=self.config.max_frame_bytes)
+            framed = PREFIX_BYTES + n + header.length
+            token, region = self._mailbox.target(peer, header, framed)
+            if region is None:
+                _discard(sock, header.length)
+            elif region.numel() and not _recv_exact_into(sock, memoryview(region.numpy())):
+                raise ConnectionError("connection closed inside a frame")
+            self._mailbox.delivered(peer, header, token, framed)
+        # The stream ended without a goodbye: the peer process died (kill -9 looks like this).
+        if not self._closed.is_set() and self._is_current(peer, sock):
+            self._mailbox.peer_lost(peer, "connection ended without a goodbye: the peer died")
+
+    def _goodbye(self, peer: int, sock: socket.socket) -> None:
+        """A graceful close: once every connection from `peer` said goodbye, nothing more will come."""
+        with self._lock:
+            socks = self._in_sockets.get(peer, [])
+            if sock in socks:
+                socks.remove(sock)
+            closed = not socks
+        if closed:
+            self._mailbox.peer_lost(peer, "peer closed its transport")
+
+    def _refuse(self, addr: str, reason: str) -> None:
+        self.refusals.append((addr, reason))
+        log.warning("rank %d refused %s: %s", self.rank, addr, reason)
+
+    # ------------------------------------------------------------------ lifetime
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        _close(self._listener)
+        for link in self._out.values():
+            with link.lock:
+                self._drop(link, goodbye=True)
+        with self._lock:
+            for socks in self._in_sockets.values():
+                for sock in socks:
+                    _close(sock)
+        self._mailbox.fail_all("transport is closed")
+
+
+def _discard(sock: socket.socket, n: int) -> None:
+    scratch = memoryview(bytearray(min(n, _DISCARD_BYTES)))
+    while n > 0:
+        if not _recv_exact_into(sock, scratch[: min(n, len(scratch))]):
+            raise ConnectionError("connection closed inside a frame")
+        n -= min(n, len(scratch))
+
+
+def _send_quietly(sock: socket.socket, data: bytes) -> None:
+    with contextlib.suppress(OSError):
+        sock.sendall(data)
+
+
+def _close(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
+
+
+def create_tcp_transport(rendezvous: Rendezvous, rank: int, world_size: int,
+                         config: StreamTransportConfig | None = None) -> TcpTransport:
+    """The TransportFactory of this package (use functools.partial to bind a config)."""
+    return TcpTransport(rendezvous, rank, world_size, config or StreamTransportConfig())
