@@ -6,6 +6,17 @@ from openprime.core.streams import StreamTransportConfig
 from openprime.core.testing import TransportConformance
 from openprime.transports.tcp import create_tcp_transport
 
+BASE = StreamTransportConfig(connect_timeout_s=30)
+
+
+def _with(**changes) -> functools.partial:
+    import attrs
+
+    return functools.partial(create_tcp_transport, config=attrs.evolve(BASE, **changes))
+
 
 class TestTcpTransport(TransportConformance):
-    factory = functools.partial(create_tcp_transport, config=StreamTransportConfig(connect_timeout_s=30))
+    factory = _with()
+    shaped_factory = staticmethod(lambda shaping: _with(shaping=shaping))
+    secured_factory = staticmethod(lambda auth: _with(auth=auth, connect_timeout_s=5))
+    supports_restart = True

@@ -22,6 +22,7 @@ from openprime.core.config import config, field, non_negative_float
 from openprime.core.errors import ConfigError
 
 PIECE_BYTES = 256 * 1024
+CATCH_UP_S = 0.005
 
 
 @config
@@ -62,8 +63,10 @@ class LinkShaper:
         if self._rate_Bps <= 0 or nbytes <= 0:
             return
         with self._lock:
+            # A writer that wakes late must not leave the link idle for the time it overslept: a link that
+            # was busy until a moment ago may start this chunk when it would have (up to CATCH_UP_S back).
             now = time.monotonic()
-            start = max(now, self._busy_until)
+            start = self._busy_until if self._busy_until >= now - CATCH_UP_S else now
             self._busy_until = start + nbytes / self._rate_Bps
             done_at = self._busy_until
         _sleep_until(done_at)

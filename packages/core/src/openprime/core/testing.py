@@ -8,6 +8,7 @@ a test module as `class TestMyTransport(TransportConformance)` with `factory = f
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import os
 import queue as queue_mod
@@ -21,11 +22,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
+import pytest
 import torch
 
+from openprime.core.auth import AuthConfig
 from openprime.core.collectives import all_gather_object, ring_all_reduce
 from openprime.core.distributed import connect_store, gloo_group, host_store
 from openprime.core.errors import FrameError, PeerFailure
+from openprime.core.shaping import LinkShaping
 from openprime.core.transport import Handle, Rendezvous, Transport, TransportFactory, as_bytes, remaining
 
 KILLED = "killed"
@@ -353,13 +357,114 @@ def _body_all_gather(transport, ctx: GroupContext) -> list:
                              deadline=time.monotonic() + 60)
 
 
+def _body_shaped(transport, ctx: GroupContext, sizes: Sequence[int]) -> list[float]:
+    """Rank 1 asks for each message with a tiny request and times its arrival; returns seconds per size.
+
+    The round trip of a tiny request and reply, measured first on the same link, is subtracted: it is
+    the fixed cost of asking (thread wake-ups, a few headers), not time the link spent on the payload.
+    """
+    deadline = time.monotonic() + 120
+    go = torch.zeros(1, dtype=torch.uint8)
+    overhead = min(_body_ping(transport, ctx, 5) or [0.0])
+    elapsed = []
+    for i, n in enumerate(sizes):
+        if ctx.rank == 0:
+            data = pattern(n, seed=i)  # made before the clock starts on the other side
+            transport.recv(1, TAG_B, [go], deadline=deadline)
+            transport.send(1, TAG_A, [data], deadline=deadline)
+        else:
+            buf = torch.empty(n, dtype=torch.uint8)
+            receiving = transport.irecv(0, TAG_A, [buf], deadline=deadline)
+            start = time.monotonic()
+            transport.send(0, TAG_B, [go], deadline=deadline)
+            receiving.wait()
+            elapsed.append(time.monotonic() - start - overhead)
+            assert torch.equal(buf, pattern(n, seed=i))
+    return elapsed
+
+
+def _body_ping(transport, ctx: GroupContext, num_pings: int) -> list[float]:
+    """Round trips of a tiny message, timed on the side that asks (rank 1)."""
+    deadline = time.monotonic() + 60
+    buf = torch.zeros(8, dtype=torch.uint8)
+    rtts = []
+    for _ in range(num_pings):
+        if ctx.rank == 1:
+            start = time.monotonic()
+            transport.send(0, TAG_A, [buf], deadline=deadline)
+            transport.recv(0, TAG_B, [buf], deadline=deadline)
+            rtts.append(time.monotonic() - start)
+        else:
+            transport.recv(1, TAG_A, [buf], deadline=deadline)
+            transport.send(1, TAG_B, [buf], deadline=deadline)
+    return rtts
+
+
+def _body_refused(transport, ctx: GroupContext) -> dict:
+    """Peers that must not trust each other: every operation fails; the refusals are logged."""
+    outcome = {}
+    try:
+        transport.send(1 - ctx.rank, TAG_A, [torch.zeros(4)], deadline=time.monotonic() + 5)
+        outcome["send"] = "delivered"
+    except PeerFailure as e:
+        outcome["send"] = e.reason
+    time.sleep(1.0)  # let the other side's handshake attempts reach this side and be refused
+    outcome["refusals"] = [reason for _addr, reason in getattr(transport, "refusals", [])]
+    return outcome
+
+
+def _body_restart(transport, ctx: GroupContext, factory: TransportFactory) -> list[int]:
+    """Rank 1 closes its transport and comes back as a new one; rank 0 goes on sending to it."""
+    deadline = time.monotonic() + 60
+    if ctx.rank == 0:
+        transport.send(1, TAG_A, [torch.tensor([1])], deadline=deadline)
+        ready = torch.zeros(1, dtype=torch.int64)
+        while True:  # receives fail while rank 1 is gone; the first one after it is back succeeds
+            try:
+                transport.recv(1, TAG_B, [ready], deadline=deadline)  # from rank 1's new incarnation
+                break
+            except PeerFailure:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        transport.send(1, TAG_A, [torch.tensor([2])], deadline=deadline)
+        return [int(ready.item())]
+    got = []
+    buf = torch.zeros(1, dtype=torch.int64)
+    transport.recv(0, TAG_A, [buf], deadline=deadline)
+    got.append(int(buf.item()))
+    transport.close()
+    reborn = factory(ctx.rendezvous, 1, 2)
+    try:
+        reborn.send(0, TAG_B, [torch.tensor([7])], deadline=deadline)
+        reborn.recv(0, TAG_A, [buf], deadline=deadline)
+        got.append(int(buf.item()))
+    finally:
+        reborn.close()
+    return got
+
+
+def per_rank_factory(rendezvous: Rendezvous, rank: int, world_size: int, *,
+                     factories: Sequence[TransportFactory]) -> Transport:
+    """A factory that builds each rank's transport with its own factory (e.g. different secrets)."""
+    return factories[rank](rendezvous, rank, world_size)
+
+
 # ---------------------------------------------------------------- the suite
 
 
 class TransportConformance:
-    """The conformance suite. Subclass with `factory = functools.partial(top_level_fn, ...)`."""
+    """The conformance suite. Subclass with `factory = functools.partial(top_level_fn, ...)`.
+
+    Transports that shape links, authenticate, or survive a peer's restart also set
+    `shaped_factory(LinkShaping) -> factory`, `secured_factory(AuthConfig) -> factory` and
+    `supports_restart = True`; the tests of a capability a transport lacks are skipped, not passed.
+    """
 
     factory: TransportFactory
+    shaped_factory: Callable[[LinkShaping], TransportFactory] | None = None
+    secured_factory: Callable[[AuthConfig], TransportFactory] | None = None
+    supports_restart: bool = False
     sizes: tuple[int, ...] = (0, 1, 7, 4096, (1 << 20) + 3, 64 << 20, 256 << 20)
     hang_deadline_s: float = 2.0
     hang_slack_s: float = 1.5
@@ -404,3 +509,53 @@ class TransportConformance:
         per_rank = run_group(3, _body_all_gather, factory=self.factory)
         expected = [{"rank": r, "blob": b"x" * r * 1000} for r in range(3)]
         assert per_rank == [expected] * 3
+
+    def test_shaped_rate_is_accurate(self):
+        if self.shaped_factory is None:
+            pytest.skip("this transport has no WAN shaping")
+        rate_bps = 100e6  # 100 Mbit/s: 1 MiB takes 84 ms
+        sizes = (1 << 20, 4 << 20, 16 << 20)
+        factory = self.shaped_factory(LinkShaping(rate_bps=rate_bps))
+        _, elapsed = run_group(2, _body_shaped, factory=factory, args=(sizes,), timeout_s=120)
+        for n, seconds in zip(sizes, elapsed, strict=True):
+            ideal = n * 8 / rate_bps
+            assert abs(seconds - ideal) <= 0.10 * ideal, f"{n} bytes took {seconds:.3f}s, shaped ideal {ideal:.3f}s"
+
+    def test_shaped_latency_is_added_each_way(self):
+        if self.shaped_factory is None:
+            pytest.skip("this transport has no WAN shaping")
+        factory = self.shaped_factory(LinkShaping(latency_s=0.05))
+        _, rtts = run_group(2, _body_ping, factory=factory, args=(5,), timeout_s=60)
+        assert 0.1 <= sorted(rtts)[2] <= 0.12, rtts  # median round trip: 2 x 50 ms one way
+
+    def test_wrong_secret_and_other_run_are_refused(self, tmp_path):
+        if self.secured_factory is None:
+            pytest.skip("this transport has no authentication")
+        secret_a, secret_b = tmp_path / "a.secret", tmp_path / "b.secret"
+        secret_a.write_text("a" * 32)
+        secret_b.write_text("b" * 32)
+        cases = {
+            "wrong secret": (AuthConfig(secret_file=str(secret_a)), AuthConfig(secret_file=str(secret_b))),
+            "no secret": (AuthConfig(secret_file=str(secret_a)), AuthConfig()),
+            "other run": (AuthConfig(run_id="run-1"), AuthConfig(run_id="run-2")),
+        }
+        for case, (first, second) in cases.items():
+            factory = functools.partial(per_rank_factory, factories=(self.secured_factory(first),
+                                                                     self.secured_factory(second)))
+            outcomes = run_group(2, _body_refused, factory=factory, timeout_s=60)
+            assert all(o["send"] != "delivered" for o in outcomes), (case, outcomes)
+            assert any(o["refusals"] for o in outcomes), (case, outcomes)
+
+    def test_same_secret_is_accepted(self, tmp_path):
+        if self.secured_factory is None:
+            pytest.skip("this transport has no authentication")
+        secret = tmp_path / "run.secret"
+        secret.write_text("s" * 32)
+        factory = self.secured_factory(AuthConfig(run_id="r", secret_file=str(secret)))
+        assert run_group(2, _body_dtypes, factory=factory) == [True, True]
+
+    def test_peer_restart_reconnects(self):
+        if not self.supports_restart:
+            pytest.skip("this transport's groups are rebuilt, not reconnected, when a peer restarts")
+        first, second = run_group(2, _body_restart, factory=self.factory, args=(self.factory,), timeout_s=60)
+        assert first == [7] and second == [1, 2]

@@ -176,7 +176,11 @@ class TcpTransport(Transport):
                 self._client_handshake(sock, peer, conn, link.generation)
         except (OSError, OpenPrimeError, RuntimeError) as e:
             self._drop(link)
+            if isinstance(e, auth.Refused):
+                self._refuse(f"rank {peer}", str(e))
             raise PeerFailure(peer, f"cannot connect: {e}") from None
+        threading.Thread(target=self._watch, args=(peer, link.generation, link.sockets[0]), daemon=True,
+                         name=f"tcp-watch-{self.rank}-{peer}").start()
         for conn, sock in enumerate(link.sockets):
             link.writers.append(ConnectionWriter(
                 f"tcp-send-{self.rank}-{peer}-{conn}", self._writer_for(sock), link.shaper,
@@ -202,6 +206,18 @@ class TcpTransport(Transport):
             if chunk.payload.numel():
                 sock.sendall(memoryview(chunk.payload.numpy()))
         return write
+
+    def _watch(self, peer: int, generation: int, sock: socket.socket) -> None:
+        """The peer never writes on our connections: anything that ends a read means it closed or died."""
+        while True:
+            try:
+                if not sock.recv(1):
+                    break
+            except TimeoutError:  # the writer's deadline timeout applies to this socket too
+                continue
+            except OSError:
+                break
+        self._send_failed(peer, generation, ConnectionError("peer closed the connection"))
 
     def _send_failed(self, peer: int, generation: int, error: BaseException) -> None:
         link = self._out[peer]
@@ -251,7 +267,9 @@ class TcpTransport(Transport):
             if peer is not None:
                 self._mailbox.peer_lost(peer, f"sent an invalid frame: {e.reason}")
         except OSError as e:
-            if peer is not None and not self._closed.is_set() and self._is_current(peer, sock):
+            if peer is None and not self._closed.is_set():
+                self._refuse(addr, f"connection closed during the handshake ({e}); a wrong secret or run id?")
+            elif peer is not None and not self._closed.is_set() and self._is_current(peer, sock):
                 self._mailbox.peer_lost(peer, f"connection lost: {e}")
         finally:
             _close(sock)
