@@ -17,13 +17,18 @@ from openprime.train.metrics import read_records, summarize
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def _run(run_dir: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "openprime.train.cli", "run", str(ROOT / "recipes" / "debug.py"),
+           "--run-dir", str(run_dir), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
 @pytest.mark.slow
 def test_two_node_debug_run(tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "openprime.train.cli", "run", str(ROOT / "recipes" / "debug.py"), "--nodes", "2",
-           "--run-dir", str(run_dir), "--set", "train.num_steps=100", "--set", "diloco.num_inner_steps=10"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = _run(run_dir, "--nodes", "2", "--set", "train.num_steps=100", "--set", "diloco.num_inner_steps=10")
     assert "global state hashes identical on every node after every outer step" in proc.stdout
     assert "[node 1] step 100/100" in proc.stdout
 
@@ -47,3 +52,29 @@ def test_two_node_debug_run(tmp_path):
     assert resolved["config"]["train"]["num_steps"] == 100
     assert resolved["config"]["diloco"]["outer_lr"] == 0.7
     assert sorted(p.name for p in (run_dir / "recipe").iterdir()) == ["debug.py", "intellect1_10b.py"]
+
+
+@pytest.mark.slow
+def test_three_nodes_over_tcp_with_a_site_file(tmp_path):
+    """The same run over the TCP transport, authenticated and shaped to 1 Gbit/s by a site file."""
+    secret = tmp_path / "secret"
+    secret.write_text("0123456789abcdef0123456789abcdef")
+    site = tmp_path / "site.toml"
+    site.write_text(f"""
+[transport]
+kind = "tcp"
+num_connections = 2
+[transport.shaping]
+rate_bps = 1e9
+[transport.auth]
+run_id = "e2e"
+secret_file = "{secret}"
+""")
+    run_dir = tmp_path / "run"
+    _run(run_dir, "--nodes", "3", "--network", str(site), "--set", "train.num_steps=60",
+         "--set", "diloco.num_inner_steps=10")
+    summary = summarize(run_dir)
+    assert summary.num_nodes == 3 and summary.num_outer_steps == 6 and summary.hashes_agree
+    resolved = json.loads((run_dir / "config.json").read_text())["config"]
+    assert resolved["transport"]["kind"] == "tcp"
+    assert resolved["transport"]["options"]["auth"]["secret_file"] == str(secret)  # the path, never the secret

@@ -74,3 +74,75 @@ def test_installed_command_reports_errors():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "OptimizerConfig.lr must be > 0" in proc.stderr
+
+
+def _site(tmp_path, text: str) -> str:
+    path = tmp_path / "site.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_site_file_sets_transport_and_timeouts(tmp_path):
+    from openprime.train.recipe import recipe_config
+    from openprime.train.site import site_overrides
+
+    site = _site(tmp_path, """
+[transport]
+kind = "tcp"
+hostname = "127.0.0.2"
+num_connections = 8
+[transport.shaping]
+rate_bps = 1e9
+latency_s = 0.04
+[transport.auth]
+run_id = "intellect-1"
+secret_file = "/etc/openprime/secret"
+[timeouts]
+connect_s = 90
+""")
+    cfg = recipe_config(DEBUG, site_overrides(site))
+    assert cfg.transport.kind.value == "tcp"
+    assert cfg.transport.options.hostname == "127.0.0.2" and cfg.transport.options.num_connections == 8
+    assert cfg.transport.options.shaping.rate_bps == 1e9 and cfg.transport.options.shaping.latency_s == 0.04
+    assert cfg.transport.options.auth.run_id == "intellect-1"
+    assert cfg.transport.options.auth.secret_file == "/etc/openprime/secret"
+    assert cfg.timeouts.connect_s == 90
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("[model]\ndim = 3\n", "unknown table(s) ['model']"),
+        ("[transport\n", "is not valid TOML"),
+        ("[transport]\nkind = \"carrier-pigeon\"\n", "'carrier-pigeon' is not one of: gloo, tcp, zmq"),
+        ("[transport]\nnum_conections = 2\n", "unknown config key 'transport.options.num_conections'"),
+        ("[transport.shaping]\nrate_bps = 1e9\n", "the gloo transport has neither WAN shaping nor authentication"),
+        ("[transport.shaping]\nrate_bps = 1000\n", "did you mean bits"),
+    ],
+)
+def test_bad_site_files(capsys, tmp_path, text, expected):
+    err = _fails(capsys, tmp_path, DEBUG, "--network", _site(tmp_path, text))
+    assert expected in err, err
+
+
+def test_missing_site_file(capsys, tmp_path):
+    assert "site file not found" in _fails(capsys, tmp_path, DEBUG, "--network", str(tmp_path / "nope.toml"))
+
+
+def test_transport_not_installed_names_the_pip_command(capsys, tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "openprime.transports.tcp" else real(name, *a))
+    err = _fails(capsys, tmp_path, DEBUG, "--transport", "tcp")
+    assert "transport 'tcp' is not installed; install it with: pip install ./transports/tcp" in err
+
+
+def test_set_wins_over_site_file(tmp_path):
+    from openprime.train.recipe import recipe_config
+    from openprime.train.site import site_overrides
+
+    site = _site(tmp_path, "[transport]\nkind = \"tcp\"\nnum_connections = 8\n")
+    cfg = recipe_config(DEBUG, [*site_overrides(site), "transport.options.num_connections=2"])
+    assert cfg.transport.options.num_connections == 2

@@ -1,10 +1,12 @@
 """The `openprime` command.
 
-    openprime run RECIPE [--nodes N] [--run-dir DIR] [--set key=value ...] [--dry-run]
+    openprime run RECIPE [--nodes N] [--run-dir DIR] [--network SITE.toml] [--transport gloo|tcp|zmq]
+                         [--set key=value ...] [--dry-run]
 
-Everything about a run lives in its recipe; `--set` changes one config field for one run. The config
-is built and validated before any process starts, and a bad value ends the command with one message
-naming the field.
+Everything about an experiment lives in its recipe; a site file holds what belongs to the network
+(transport, addresses, secret, shaping, timeouts); `--set` changes one config field for one run and
+wins over both. The config is built and validated before any process starts, and a bad value ends the
+command with one message naming the field.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ import sys
 import torch
 
 from openprime.core.errors import ConfigError
-from openprime.train.config import RunConfig
+from openprime.train.config import RunConfig, TransportKind
 from openprime.train.model import Llama, count_parameters, num_flops_per_token
 from openprime.train.recipe import loaded_recipe_files, recipe_config
+from openprime.train.site import site_overrides
+from openprime.train.transports import check_installed
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -32,6 +36,10 @@ def _parser() -> argparse.ArgumentParser:
                      help="where config, recipe and metrics go (default runs/NAME-TIMESTAMP)")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override one config field, e.g. --set diloco.num_inner_steps=10 (repeatable)")
+    run.add_argument("--network", type=pathlib.Path, default=None, metavar="SITE.toml",
+                     help="site file: transport, its options and timeouts for this network")
+    run.add_argument("--transport", choices=[k.value for k in TransportKind], default=None,
+                     help="swap the transport for this run (same as --set transport.kind=NAME)")
     run.add_argument("--dry-run", action="store_true",
                      help="build the config and the model on the meta device, print them, start nothing")
     return parser
@@ -62,7 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.nodes < 1:
             raise ConfigError(f"--nodes must be >= 1, got {args.nodes}")
-        cfg = recipe_config(args.recipe, args.overrides)
+        overrides = site_overrides(args.network) if args.network else []
+        if args.transport:
+            overrides.append(f"transport.kind={args.transport}")
+        overrides += args.overrides
+        cfg = recipe_config(args.recipe, overrides)
+        check_installed(cfg.transport)
     except ConfigError as e:
         print(f"openprime: error: {e}", file=sys.stderr)
         return 2
@@ -77,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"openprime: error: {run_dir} already holds a run; choose another --run-dir", file=sys.stderr)
         return 2
     write_run_files(run_dir, cfg, recipe=args.recipe.resolve(), recipe_files=loaded_recipe_files(),
-                    overrides=args.overrides, num_nodes=args.nodes)
+                    overrides=overrides, num_nodes=args.nodes)
     return launch(cfg, num_nodes=args.nodes, run_dir=run_dir)
 
 

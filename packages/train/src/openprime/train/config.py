@@ -21,6 +21,7 @@ from openprime.core.config import (
     unit_interval,
 )
 from openprime.core.errors import ConfigError
+from openprime.core.streams import StreamTransportConfig
 from openprime.core.timeouts import Timeouts
 from openprime.diloco import DiLoCoConfig
 from openprime.train.data import DataConfig
@@ -55,16 +56,25 @@ class TrainConfig:
 class TransportKind(enum.Enum):
     """Which Transport implementation carries the DiLoCo all-reduce."""
 
-    GLOO = "gloo"
+    GLOO = "gloo"  # torch.distributed Gloo: every node reaches every other directly (datacenter, VPN)
+    TCP = "tcp"  # raw sockets, parallel connections, authentication: the public internet
+    ZMQ = "zmq"  # ZeroMQ, the same features over its reconnecting sockets
 
 
 @config
 class TransportConfig:
-    """The transport between nodes (a site may override it; see DESIGN.md)."""
+    """The transport between nodes; a site file (`--network site.toml`) usually sets it."""
 
-    kind: TransportKind = field(TransportKind.GLOO, doc="transport implementation",
+    kind: TransportKind = field(TransportKind.GLOO, doc="transport implementation: gloo, tcp or zmq",
                                 validator=one_of_enum(TransportKind))
-    hostname: str = field("127.0.0.1", doc="address this node binds and advertises", validator=instance_of(str))
+    options: StreamTransportConfig = field(
+        factory=StreamTransportConfig, doc="address, connections, shaping and authentication (gloo: address only)",
+        validator=instance_of(StreamTransportConfig))
+
+    def __attrs_post_init__(self) -> None:
+        if self.kind is TransportKind.GLOO and (self.options.shaping.active or self.options.auth.secret_file):
+            raise ConfigError("the gloo transport has neither WAN shaping nor authentication; "
+                              "use transport.kind=tcp or zmq for them")
 
 
 @config

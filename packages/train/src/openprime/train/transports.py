@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
+
+import attrs
 
 from openprime.core.errors import ConfigError
 from openprime.core.timeouts import Timeouts
@@ -13,20 +16,28 @@ from openprime.train.config import TransportConfig, TransportKind
 # kind -> (module, distribution, folder in the repository)
 _INSTALLED_AS = {
     TransportKind.GLOO: ("openprime.transports.gloo", "openprime-transport-gloo", "transports/gloo"),
+    TransportKind.TCP: ("openprime.transports.tcp", "openprime-transport-tcp", "transports/tcp"),
+    TransportKind.ZMQ: ("openprime.transports.zmq", "openprime-transport-zmq", "transports/zmq"),
 }
 
 
 def transport_factory(cfg: TransportConfig, timeouts: Timeouts) -> TransportFactory:
     """The picklable factory of the configured transport, its deadlines derived from `timeouts`."""
+    check_installed(cfg)
+    module = importlib.import_module(_INSTALLED_AS[cfg.kind][0])
+    if cfg.kind is TransportKind.GLOO:
+        options = module.GlooTransportConfig(hostname=cfg.options.hostname, connect_timeout_s=timeouts.connect_s)
+        return functools.partial(module.create_gloo_transport, config=options)
+    options = attrs.evolve(cfg.options, connect_timeout_s=timeouts.connect_s)
+    create = module.create_tcp_transport if cfg.kind is TransportKind.TCP else module.create_zmq_transport
+    return functools.partial(create, config=options)
+
+
+def check_installed(cfg: TransportConfig) -> None:
+    """Fail at config time, before any process starts, when the chosen transport is not installed."""
     module_name, dist_name, folder = _INSTALLED_AS[cfg.kind]
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError:
+    if importlib.util.find_spec(module_name) is None:
         raise ConfigError(
             f"transport {cfg.kind.value!r} is not installed; install it with: pip install ./{folder} "
             f"(the {dist_name} package)"
-        ) from None
-    if cfg.kind is TransportKind.GLOO:
-        options = module.GlooTransportConfig(hostname=cfg.hostname, connect_timeout_s=timeouts.connect_s)
-        return functools.partial(module.create_gloo_transport, config=options)
-    raise AssertionError(f"no factory for {cfg.kind}")
+        )
