@@ -27,6 +27,7 @@ TAG_ALL_GATHER_SIZE = 2
 TAG_ALL_GATHER_DATA = 3
 
 _FP32 = Float32Codec()
+SEGMENT_NUMEL = 1 << 22  # 16 MiB of fp32 per message: large enough to stream, small enough to overlap
 
 
 def ring_all_reduce(
@@ -36,6 +37,7 @@ def ring_all_reduce(
     deadline: float,
     codec: Codec = _FP32,
     tag: int = TAG_ALL_REDUCE,
+    segment_numel: int = SEGMENT_NUMEL,
 ) -> None:
     """Replace the 1-D fp32 CPU `tensor` by its sum over all ranks of the transport's group.
 
@@ -50,32 +52,42 @@ def ring_all_reduce(
         return
     right, left = (r + 1) % n, (r - 1) % n
     work = tensor.clone()
-    chunks = list(torch.tensor_split(work, n))  # sizes differ by at most one element
+    # n chunks (sizes differ by at most one element), each cut into segments that travel as separate
+    # messages: while segment j is on the wire, segment j + 1 is being encoded, and a received segment is
+    # decoded while the next one arrives (the double buffering of INTELLECT-1's int8 all-reduce).
+    segments = [list(torch.split(chunk, segment_numel)) for chunk in torch.tensor_split(work, n)]
 
     # Reduce-scatter: at step s send chunk (r - s), receive chunk (r - s - 1) and add it in.
     for s in range(n - 1):
         send_i, recv_i = (r - s) % n, (r - s - 1) % n
-        incoming = codec.payload_like(chunks[recv_i].numel())
-        sending = transport.isend(right, tag, codec.encode(chunks[send_i]), deadline=deadline)
-        transport.irecv(left, tag, incoming, deadline=deadline).wait()
-        codec.decode_add_(chunks[recv_i], incoming)
-        sending.wait()
+        incoming = [codec.payload_like(seg.numel()) for seg in segments[recv_i]]
+        receiving = [transport.irecv(left, tag, p, deadline=deadline) for p in incoming]
+        sending = [transport.isend(right, tag, codec.encode(seg), deadline=deadline) for seg in segments[send_i]]
+        for seg, payload, handle in zip(segments[recv_i], incoming, receiving, strict=True):
+            handle.wait()
+            codec.decode_add_(seg, payload)
+        for handle in sending:
+            handle.wait()
 
     # Now rank r owns the finished chunk (r + 1). Encode it once; decode it here too, so that the
     # owner holds exactly what the others will decode from the same bytes.
     own = (r + 1) % n
-    payload = codec.encode(chunks[own])
-    codec.decode_(chunks[own], payload)
+    payloads = [codec.encode(seg) for seg in segments[own]]
+    for seg, payload in zip(segments[own], payloads, strict=True):
+        codec.decode_(seg, payload)
 
-    # All-gather: at step s forward the payload of chunk (r + 1 - s), receive that of chunk (r - s).
+    # All-gather: at step s forward the payloads of chunk (r + 1 - s), receive those of chunk (r - s).
     for s in range(n - 1):
         recv_i = (r - s) % n
-        incoming = codec.payload_like(chunks[recv_i].numel())
-        sending = transport.isend(right, tag, payload, deadline=deadline)
-        transport.irecv(left, tag, incoming, deadline=deadline).wait()
-        sending.wait()
-        codec.decode_(chunks[recv_i], incoming)
-        payload = incoming
+        incoming = [codec.payload_like(seg.numel()) for seg in segments[recv_i]]
+        receiving = [transport.irecv(left, tag, p, deadline=deadline) for p in incoming]
+        sending = [transport.isend(right, tag, p, deadline=deadline) for p in payloads]
+        for seg, payload, handle in zip(segments[recv_i], incoming, receiving, strict=True):
+            handle.wait()
+            codec.decode_(seg, payload)
+        for handle in sending:
+            handle.wait()
+        payloads = incoming
 
     tensor.copy_(work)
 

@@ -336,7 +336,8 @@ def _all_reduce_input(rank: int, numel: int, integer_valued: bool) -> torch.Tens
     return torch.randn(numel, generator=g)
 
 
-def _body_all_reduce(transport, ctx: GroupContext, numels: Sequence[int]) -> list[tuple[bool, float]]:
+def _body_all_reduce(transport, ctx: GroupContext, numels: Sequence[int],
+                     segment_numel: int) -> list[tuple[bool, float]]:
     deadline = time.monotonic() + 120
     native = gloo_group(connect_store(ctx.rendezvous, 60, suffix="/native"), ctx.rank, ctx.world_size,
                         timeout_s=60)
@@ -346,7 +347,7 @@ def _body_all_reduce(transport, ctx: GroupContext, numels: Sequence[int]) -> lis
             mine = _all_reduce_input(ctx.rank, numel, integer_valued)
             reference = mine.clone()
             native.allreduce([reference]).wait()
-            ring_all_reduce(transport, mine, deadline=deadline)
+            ring_all_reduce(transport, mine, deadline=deadline, segment_numel=segment_numel)
             exact = torch.equal(mine, reference)
             out.append((exact if integer_valued else True, float((mine - reference).abs().max()) if numel else 0.0))
     return out
@@ -499,7 +500,8 @@ class TransportConformance:
     def test_ring_all_reduce_equals_gloo_all_reduce(self):
         numels = (1, 5, 10_007, (1 << 18) + 3)
         for world_size in (2, 3, 4):
-            per_rank = run_group(world_size, _body_all_reduce, factory=self.factory, args=(numels,),
+            # Segments of 4099 elements: the larger tensors travel as many pipelined messages per chunk.
+            per_rank = run_group(world_size, _body_all_reduce, factory=self.factory, args=(numels, 4099),
                                  timeout_s=120)
             for result in per_rank:
                 assert all(exact for exact, _ in result), (world_size, result)
