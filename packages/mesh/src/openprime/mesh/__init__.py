@@ -1,0 +1,12 @@
+"""openprime.mesh: elastic membership (INTELLECT-1 paper, section 2.2: the ElasticDeviceMesh).
+
+A standalone coordinator with soft state, a membership client per node (heartbeats, deathrattle,
+joins at outer steps), views with epochs, the outer-step barrier and commit that keep every replica
+identical when nodes fail mid all-reduce, and the bandwidth-aware ring order.
+"""
+
+from openprime.mesh.client import Evicted, MeshClient, View, new_node_id
+from openprime.mesh.config import MeshConfig
+from openprime.mesh.coordinator import Coordinator
+
+__all__ = ["Coordinator", "Evicted", "MeshClient", "MeshConfig", "View", "new_node_id"]

@@ -1,0 +1,197 @@
+"""The membership client: one per node, on the node's local rank 0 (its other ranks share its view).
+
+It joins the run, sends a heartbeat every `heartbeat_interval_s` from a background thread, waits at the
+barrier of each outer step (`sync`) for the next view, reports whether its all-reduce succeeded
+(`commit`), and says goodbye (the deathrattle) on a graceful exit and, best effort, on SIGTERM or an
+exception. Every message carries the node's belief (epoch, members, step, slot), which is all a
+restarted coordinator needs to carry on. A request without an answer is sent again every
+`request_timeout_s` (the coordinator may be restarting) until its own deadline.
+
+A node that the coordinator evicted (it was frozen, or cut off) learns it at its next contact and
+gets `Evicted`: it must rejoin as a new node, never rejoin the others with stale state.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Any
+
+import attrs
+import zmq
+
+from openprime.core.auth import AuthConfig
+from openprime.core.errors import OpenPrimeError, PeerFailure
+from openprime.mesh.config import MeshConfig
+from openprime.mesh.protocol import BadMessage, pack, unpack
+
+log = logging.getLogger("openprime.mesh.client")
+
+
+class Evicted(OpenPrimeError):
+    """The coordinator no longer counts this node as a member: rejoin as a new node."""
+
+
+@attrs.frozen
+class View:
+    """The membership of one outer step's try, the same on every node."""
+
+    epoch: int
+    members: tuple[str, ...]  # ring order
+    new: tuple[str, ...]  # admitted at this barrier
+    step: int
+    attempt: int
+    skip: bool
+    slots: tuple[tuple[str, int], ...]  # (node, data slot) in ring order
+
+    def rank_of(self, node: str) -> int:
+        return self.members.index(node)
+
+    def slot_of(self, node: str) -> int:
+        return dict(self.slots)[node]
+
+
+def new_node_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class MeshClient:
+    """A node's connection to the coordinator. Thread-safe for one caller plus its heartbeat thread."""
+
+    def __init__(self, address: str, config: MeshConfig, *, node_id: str | None = None) -> None:
+        self.address = address if "://" in address else f"tcp://{address}"
+        self.config = config
+        self.node = node_id or new_node_id()
+        self.incarnation = uuid.uuid4().hex
+        self.slot = -1
+        self.view: View | None = None
+        self.evicted = False
+        self._secret = AuthConfig(run_id=config.run_id, secret_file=config.secret_file).load_secret()
+        self._ctx = zmq.Context()
+        self._req_ids = itertools.count(1)
+        self._lock = threading.Lock()  # the caller's socket
+        self._sock = self._socket()
+        self._stop = threading.Event()
+        self._heartbeats: threading.Thread | None = None
+
+    def _socket(self) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.address)
+        return sock
+
+    # ------------------------------------------------------------------ requests
+
+    def _belief(self) -> dict[str, Any]:
+        view = self.view
+        return {"node": self.node, "incarnation": self.incarnation, "slot": self.slot,
+                "epoch": view.epoch if view else 0, "members": list(view.members) if view else [],
+                "step": view.step if view else 0}
+
+    def _request(self, sock: zmq.Socket, op: str, deadline: float, **fields: Any) -> dict[str, Any]:
+        """Send until answered or `deadline`; raise PeerFailure (coordinator) at the deadline."""
+        req = next(self._req_ids)
+        message = {"op": op, "req": req, **self._belief(), **fields}
+        while True:
+            sock.send(pack(message, run_id=self.config.run_id, secret=self._secret))
+            resend_at = min(deadline, time.monotonic() + self.config.request_timeout_s)
+            while (left := resend_at - time.monotonic()) > 0:
+                if not sock.poll(left * 1000):
+                    continue
+                try:
+                    reply = unpack(sock.recv(), run_id=self.config.run_id, secret=self._secret,
+                                   max_bytes=self.config.max_message_bytes)
+                except BadMessage as e:
+                    log.warning("node %s ignored a bad reply: %s", self.node, e)
+                    continue
+                if reply.get("req") != req:
+                    continue  # the answer to an earlier, abandoned request
+                if reply.get("op") == "evicted":
+                    self.evicted = True
+                    raise Evicted(f"node {self.node} was evicted by the coordinator; rejoin as a new node")
+                return reply
+            if time.monotonic() >= deadline:
+                raise PeerFailure(-1, f"coordinator at {self.address} did not answer {op} in time")
+
+    def join(self, timeout_s: float | None = None) -> int:
+        """Register with the coordinator; returns this node's data slot. Admission happens at a sync."""
+        deadline = time.monotonic() + (timeout_s or self.config.sync_timeout_s)
+        with self._lock:
+            reply = self._request(self._sock, "join", deadline)
+        if reply.get("op") != "joined":
+            raise OpenPrimeError(f"coordinator refused to let node {self.node} join: {reply.get('reason')}")
+        self.slot = reply["slot"]
+        self._start_heartbeats()
+        return self.slot
+
+    def sync(self, step: int, attempt: int = 0, *, state_hash: str | None = None,
+             hash_step: int | None = None) -> View:
+        """Wait at the outer-step barrier; returns the view every node of this try gets."""
+        deadline = time.monotonic() + self.config.sync_timeout_s
+        extra = {"hash": state_hash, "hash_step": hash_step} if state_hash is not None else {}
+        with self._lock:
+            reply = self._request(self._sock, "sync", deadline, step=step, attempt=attempt, **extra)
+        view = View(epoch=reply["epoch"], members=tuple(reply["members"]), new=tuple(reply["new"]),
+                    step=reply["step"], attempt=reply["attempt"], skip=reply["skip"],
+                    slots=tuple((n, s) for n, s in reply["slots"]))
+        self.view = view
+        return view
+
+    def commit(self, step: int, attempt: int, ok: bool) -> bool:
+        """Report this node's all-reduce outcome; True when every member succeeded (apply it)."""
+        deadline = time.monotonic() + self.config.sync_timeout_s
+        with self._lock:
+            reply = self._request(self._sock, "commit", deadline, step=step, attempt=attempt, ok=ok)
+        return bool(reply["apply"])
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            return self._request(self._sock, "status", time.monotonic() + self.config.eviction_timeout_s)
+
+    # ------------------------------------------------------------------ liveness
+
+    def _start_heartbeats(self) -> None:
+        if self._heartbeats is None:
+            self._heartbeats = threading.Thread(target=self._heartbeat_loop, name=f"heartbeat-{self.node}",
+                                                daemon=True)
+            self._heartbeats.start()
+
+    def _heartbeat_loop(self) -> None:
+        sock = self._socket()
+        try:
+            while not self._stop.wait(self.config.heartbeat_interval_s):
+                try:
+                    self._request(sock, "heartbeat", time.monotonic() + self.config.heartbeat_interval_s)
+                except Evicted:
+                    log.warning("node %s: the coordinator evicted this node", self.node)
+                    return
+                except PeerFailure:
+                    continue  # the coordinator is away (restarting?); keep trying
+        finally:
+            sock.close(linger=0)
+
+    def leave(self) -> None:
+        """The deathrattle: tell the coordinator at once that this node is going (best effort)."""
+        if self.evicted or self.slot < 0:
+            return
+        try:
+            with self._lock:
+                self._request(self._sock, "leave", time.monotonic() + self.config.request_timeout_s)
+        except (PeerFailure, Evicted):
+            pass
+
+    def close(self, *, leave: bool = True) -> None:
+        if self._stop.is_set():
+            return
+        if leave:
+            self.leave()
+        self._stop.set()
+        if self._heartbeats is not None:
+            self._heartbeats.join(timeout=self.config.heartbeat_interval_s * 2)
+        self._sock.close(linger=0)
+        self._ctx.term()

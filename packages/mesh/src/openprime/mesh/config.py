@@ -1,0 +1,48 @@
+"""Every interval and timeout of the membership protocol, declared once and derived from each other.
+
+INTELLECT-1's ElasticDeviceMesh sent a heartbeat every 2 s and evicted a node silent for 6 s (paper,
+section 2.2). Here the eviction timeout is `num_missed_heartbeats` heartbeat intervals, a request to
+the coordinator waits one interval before it is sent again, and a restarted coordinator listens for
+one eviction timeout before it rebuilds the view from what the nodes report (its state is soft).
+"""
+
+from __future__ import annotations
+
+from openprime.core.config import config, field, instance_of, positive_float, positive_int
+
+
+@config
+class MeshConfig:
+    """Membership: heartbeats, eviction, the outer-step barrier and retries of a failed all-reduce."""
+
+    heartbeat_interval_s: float = field(2.0, doc="a node reports to the coordinator this often",
+                                        validator=positive_float())
+    num_missed_heartbeats: int = field(3, doc="a node silent for this many intervals is evicted",
+                                       validator=positive_int())
+    sync_timeout_s: float = field(7200.0, doc="longest wait at the outer-step barrier for the slowest node",
+                                  validator=positive_float())
+    num_all_reduce_tries: int = field(3, doc="tries of one outer step's all-reduce before it is skipped",
+                                      validator=positive_int())
+    min_nodes: int = field(1, doc="the first view forms once this many nodes have joined", validator=positive_int())
+    max_nodes: int = field(64, doc="data is split into this many shards; a node takes a free one",
+                           validator=positive_int())
+    max_message_bytes: int = field(1 << 20, doc="coordinator messages above this size are refused",
+                                   validator=positive_int())
+    run_id: str = field("openprime", doc="name of the run; messages of another run are refused",
+                        validator=instance_of(str))
+    secret_file: str | None = field(None, doc="shared secret that signs every message (None: unsigned)")
+
+    @property
+    def eviction_timeout_s(self) -> float:
+        """A node silent this long is evicted (INTELLECT-1: 3 x 2 s)."""
+        return self.heartbeat_interval_s * self.num_missed_heartbeats
+
+    @property
+    def request_timeout_s(self) -> float:
+        """A request without an answer this long is sent again (the coordinator may have restarted)."""
+        return self.heartbeat_interval_s
+
+    @property
+    def recovery_window_s(self) -> float:
+        """A restarted coordinator waits this long for nodes to report before it rebuilds the view."""
+        return self.eviction_timeout_s

@@ -1,0 +1,286 @@
+"""The coordinator: who is in the run, in which ring order, and what happens at each outer step.
+
+INTELLECT-1 kept this in a TCPStore inside rank 0, a single point of failure (DESIGN.md). Here it is a
+small standalone server (a ZeroMQ ROUTER and msgpack, protocol.py) whose state is soft: every message
+a node sends carries what the node believes (epoch, members, step, slot), so a coordinator that is
+killed and restarted at the same address adopts the newest view the nodes report and the run goes on.
+
+What it decides, on one thread, between messages:
+- membership: joins (a free data slot each), heartbeats, eviction after `eviction_timeout_s` of
+  silence, the deathrattle of a node that leaves;
+- the barrier at every outer step (`sync`): once every live member of the view has arrived, the next
+  view is formed: the arrived members plus the joiners waiting, in ring order, with a new epoch if the
+  set changed; after `num_all_reduce_tries` failed tries the view says `skip`, to every node alike;
+- the commit of each all-reduce: apply only if every member of the view reported success, else every
+  survivor retries (so no node ever applies a result another node did not get);
+- agreement: the nodes' hashes of their global state after each outer step are compared, and any
+  difference is logged loudly with the nodes involved.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import zmq
+
+from openprime.core.auth import AuthConfig
+from openprime.mesh.config import MeshConfig
+from openprime.mesh.protocol import BadMessage, check_request, pack, unpack
+
+log = logging.getLogger("openprime.mesh.coordinator")
+
+
+@attrs.define
+class NodeRecord:
+    node: str
+    incarnation: str  # "" while adopted from another node's report, until the node speaks for itself
+    slot: int
+    last_seen: float
+    joined_at: float
+
+
+@attrs.define
+class Committee:
+    """The members that must report on one all-reduce, and what they reported."""
+
+    step: int
+    attempt: int
+    members: frozenset[str]
+    reports: dict[str, bool] = attrs.Factory(dict)
+    waiting: dict[str, tuple[bytes, int]] = attrs.Factory(dict)
+
+
+class Coordinator:
+    """The membership server. `start()` runs it on a background thread; `serve_forever()` in this one."""
+
+    def __init__(self, config: MeshConfig, bind: str = "tcp://127.0.0.1:0",
+                 ring_order: Callable[[list[str]], list[str]] | None = None) -> None:
+        self.config = config
+        self._secret = AuthConfig(run_id=config.run_id, secret_file=config.secret_file).load_secret()
+        self._ring_order = ring_order or (lambda members: members)
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)  # oversized: dropped by ZeroMQ itself
+        if bind.endswith(":0"):
+            port = self._sock.bind_to_random_port(bind.rsplit(":", 1)[0])
+            self.address = f"{bind.rsplit(':', 1)[0]}:{port}"
+        else:
+            self._sock.bind(bind)
+            self.address = bind
+        self.nodes: dict[str, NodeRecord] = {}
+        self.epoch = 0
+        self.members: list[str] = []
+        self.step = 0
+        self._waiting: dict[str, tuple[bytes, int, dict]] = {}  # node -> (route, req, message) at the barrier
+        self._committee: Committee | None = None
+        self._decisions: dict[tuple[int, int], bool] = {}
+        self.hashes: dict[int, dict[str, str]] = {}
+        self.disagreements: list[tuple[int, dict[str, str]]] = []
+        self.refusals: list[str] = []
+        self.evictions: list[str] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ lifetime
+
+    def start(self) -> Coordinator:
+        self._thread = threading.Thread(target=self.serve_forever, name="openprime-coordinator", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    def serve_forever(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        tick = min(0.1, self.config.heartbeat_interval_s / 4)
+        while not self._stop.is_set():
+            if poller.poll(timeout=tick * 1000):
+                while self._sock.poll(0):
+                    frames = self._sock.recv_multipart()
+                    self._handle(frames)
+            self._evict_silent(time.monotonic())
+            self._try_barrier()
+            self._try_commit()
+
+    # ------------------------------------------------------------------ messages
+
+    def _handle(self, frames: list[bytes]) -> None:
+        route = frames[0]
+        try:
+            if len(frames) != 2:
+                raise BadMessage(f"expected 2 frames, got {len(frames)}")
+            message = unpack(frames[1], run_id=self.config.run_id, secret=self._secret,
+                             max_bytes=self.config.max_message_bytes)
+            op = check_request(message)
+            reply = getattr(self, f"_on_{op}")(route, message)
+        except BadMessage as e:
+            self._refuse(route, str(e))
+            return
+        if reply is not None:
+            self._reply(route, message["req"], reply)
+
+    def _reply(self, route: bytes, req: int, reply: dict[str, Any]) -> None:
+        self._sock.send_multipart([route, pack({**reply, "req": req}, run_id=self.config.run_id,
+                                               secret=self._secret)])
+
+    def _refuse(self, route: bytes, reason: str) -> None:
+        self.refusals.append(reason)
+        log.warning("coordinator refused a message from connection %s: %s", route.hex(), reason)
+
+    def _known(self, message: dict) -> NodeRecord | None:
+        """The sender's record (refreshing its liveness), adopting a newer view a restarted coordinator lacks."""
+        node, incarnation = message["node"], message["incarnation"]
+        if message["epoch"] > self.epoch and node in message["members"]:
+            self._adopt(message)
+        record = self.nodes.get(node)
+        if record is None:
+            return None
+        if record.incarnation and record.incarnation != incarnation:
+            raise BadMessage(f"node id {node!r} belongs to another process (incarnation mismatch)")
+        record.incarnation = incarnation
+        record.last_seen = time.monotonic()
+        return record
+
+    def _adopt(self, message: dict) -> None:
+        """The nodes know a newer view than this coordinator: it restarted. Their report is the state."""
+        log.warning("coordinator adopts epoch %d with members %s from node %s (coordinator restarted?)",
+                    message["epoch"], message["members"], message["node"])
+        self.epoch, self.members, self.step = message["epoch"], list(message["members"]), message["step"]
+        now = time.monotonic()
+        for i, node in enumerate(self.members):
+            if node not in self.nodes:
+                # Members get one eviction timeout to speak for themselves; slots come from their reports.
+                self.nodes[node] = NodeRecord(node=node, incarnation="", slot=-1 - i, last_seen=now, joined_at=now)
+        self.nodes[message["node"]].slot = message["slot"]
+
+    def _on_join(self, route: bytes, message: dict) -> dict:
+        node = message["node"]
+        if node in self.nodes and self.nodes[node].incarnation not in ("", message["incarnation"]):
+            raise BadMessage(f"node id {node!r} is already in use by a live node")
+        record = self.nodes.get(node)
+        if record is None:
+            used = {r.slot for r in self.nodes.values()}
+            slot = next(s for s in range(self.config.max_nodes + 1) if s not in used)
+            if slot >= self.config.max_nodes:
+                return {"op": "refused", "reason": f"the run is full (max_nodes={self.config.max_nodes})"}
+            now = time.monotonic()
+            record = NodeRecord(node=node, incarnation=message["incarnation"], slot=slot, last_seen=now, joined_at=now)
+            self.nodes[node] = record
+            log.info("node %s joined (slot %d); it is admitted at the next outer step", node, slot)
+        return {"op": "joined", "slot": record.slot, "epoch": self.epoch, "step": self.step}
+
+    def _on_heartbeat(self, route: bytes, message: dict) -> dict:
+        if self._known(message) is None:
+            return {"op": "evicted"}
+        return {"op": "ok", "epoch": self.epoch}
+
+    def _on_sync(self, route: bytes, message: dict) -> dict | None:
+        record = self._known(message)
+        if record is None:
+            return {"op": "evicted"}
+        if record.slot < 0:
+            record.slot = message["slot"]
+        if isinstance(message.get("hash"), str) and isinstance(message.get("hash_step"), int):
+            self._record_hash(message["node"], message["hash_step"], message["hash"])
+        self._waiting[message["node"]] = (route, message["req"], message)
+        return None  # answered when the barrier completes
+
+    def _on_commit(self, route: bytes, message: dict) -> dict | None:
+        if self._known(message) is None:
+            return {"op": "evicted"}
+        key = (message["step"], message["attempt"])
+        if key in self._decisions:
+            return {"op": "decision", "apply": self._decisions[key]}
+        committee = self._committee
+        if committee is None or (committee.step, committee.attempt) != key:
+            # A coordinator that restarted mid-commit: the members re-form the committee as they report.
+            committee = self._committee = Committee(step=key[0], attempt=key[1], members=frozenset(self.members))
+        committee.reports[message["node"]] = message["ok"]
+        committee.waiting[message["node"]] = (route, message["req"])
+        return None
+
+    def _on_leave(self, route: bytes, message: dict) -> dict:
+        if self._known(message) is not None:
+            self._remove(message["node"], "left (deathrattle)")
+        return {"op": "ok"}
+
+    def _on_status(self, route: bytes, message: dict) -> dict:
+        return {"op": "status", "epoch": self.epoch, "members": self.members, "step": self.step,
+                "nodes": sorted(self.nodes), "evictions": len(self.evictions), "refusals": len(self.refusals),
+                "disagreements": len(self.disagreements), "waiting": sorted(self._waiting)}
+
+    # ------------------------------------------------------------------ decisions
+
+    def _remove(self, node: str, why: str) -> None:
+        # The last view (self.members) keeps the node until the next barrier forms a view without it.
+        self.nodes.pop(node, None)
+        self._waiting.pop(node, None)
+        self.evictions.append(node)
+        log.warning("node %s removed: %s", node, why)
+
+    def _evict_silent(self, now: float) -> None:
+        for node, record in list(self.nodes.items()):
+            if now - record.last_seen > self.config.eviction_timeout_s:
+                self._remove(node, f"silent for more than {self.config.eviction_timeout_s:.1f}s")
+
+    def _try_barrier(self) -> None:
+        live_members = [m for m in self.members if m in self.nodes]
+        if not self._waiting or any(m not in self._waiting for m in live_members):
+            return
+        joiners = sorted((n for n in self._waiting if n not in live_members), key=lambda n: self.nodes[n].joined_at)
+        if not live_members and len(joiners) < self.config.min_nodes:
+            return  # the first view waits for min_nodes
+        arrivals = [self._waiting[m][2] for m in live_members] or [self._waiting[j][2] for j in joiners]
+        step = max(a["step"] for a in arrivals)
+        attempt = max(a["attempt"] for a in arrivals if a["step"] == step)
+        members = self._ring_order(live_members + joiners)
+        if set(members) != set(self.members):
+            self.epoch += 1
+        self.members, self.step = members, step
+        skip = attempt >= self.config.num_all_reduce_tries
+        view = {"op": "view", "epoch": self.epoch, "members": members, "new": joiners, "step": step,
+                "attempt": attempt, "skip": skip, "slots": [[m, self.nodes[m].slot] for m in members]}
+        self._committee = Committee(step=step, attempt=attempt, members=frozenset(members))
+        for route, req, _ in self._waiting.values():
+            self._reply(route, req, view)
+        self._waiting.clear()
+        log.info("outer step %d try %d: epoch %d, %d nodes%s%s", step, attempt, self.epoch, len(members),
+                 f", admitted {joiners}" if joiners and live_members else "", ", SKIPPED" if skip else "")
+
+    def _try_commit(self) -> None:
+        committee = self._committee
+        if committee is None or not committee.reports:
+            return
+        live = {m for m in committee.members if m in self.nodes}
+        if not live <= set(committee.reports):
+            return
+        # Apply only if every member of the view reported success: a member that vanished may not have it.
+        apply = live == committee.members and all(committee.reports.values())
+        self._decisions[(committee.step, committee.attempt)] = apply
+        for route, req in committee.waiting.values():
+            self._reply(route, req, {"op": "decision", "apply": apply})
+        self._committee = None
+        if not apply:
+            log.warning("outer step %d try %d not applied: %s", committee.step, committee.attempt,
+                        "a member was lost" if live != committee.members else "a member's all-reduce failed")
+
+    def _record_hash(self, node: str, step: int, digest: str) -> None:
+        by_node = self.hashes.setdefault(step, {})
+        by_node[node] = digest
+        if len(set(by_node.values())) > 1 and not any(s == step for s, _ in self.disagreements):
+            self.disagreements.append((step, dict(by_node)))
+            log.error("REPLICAS DISAGREE after outer step %d: %s", step, by_node)
+        for old in [s for s in self.hashes if s < step - 2]:
+            del self.hashes[old]

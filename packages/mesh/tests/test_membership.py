@@ -1,0 +1,122 @@
+"""Coordinator and membership clients in one process (threads): views, barriers, commits, eviction,
+the deathrattle, joins at outer steps, skipping after failed tries, a restarted coordinator, and
+hash disagreement. Fast: heartbeats every 0.1 s."""
+
+import time
+
+import attrs
+import pytest
+
+from openprime.core.testing import run_threads
+from openprime.mesh import Coordinator, Evicted, MeshClient, MeshConfig
+
+FAST = MeshConfig(heartbeat_interval_s=0.1, num_missed_heartbeats=3, sync_timeout_s=10, num_all_reduce_tries=2)
+
+
+@pytest.fixture
+def coordinator():
+    c = Coordinator(FAST).start()
+    yield c
+    c.stop()
+
+
+def _clients(coordinator, n, config=FAST):
+    coordinator.config = attrs.evolve(coordinator.config, min_nodes=n)  # the first view holds all n
+    clients = [MeshClient(coordinator.address, config, node_id=f"node-{i}") for i in range(n)]
+    for c in clients:
+        c.join()
+    return clients
+
+
+def _close(clients):
+    for c in clients:
+        c.close()
+
+
+def test_first_view_waits_for_min_nodes_and_is_the_same_everywhere(coordinator):
+    clients = _clients(coordinator, 3)
+    views = run_threads([lambda c=c: c.sync(0) for c in clients])
+    assert len(set(views)) == 1
+    view = views[0]
+    assert view.epoch == 1 and sorted(view.members) == ["node-0", "node-1", "node-2"] and not view.skip
+    assert sorted(s for _, s in view.slots) == [0, 1, 2]
+    assert run_threads([lambda c=c: c.commit(0, 0, True) for c in clients]) == [True] * 3
+    _close(clients)
+
+
+def test_a_failed_try_is_retried_by_all_then_skipped(coordinator):
+    clients = _clients(coordinator, 2)
+    run_threads([lambda c=c: c.sync(0) for c in clients])
+    # One node's all-reduce failed: nobody applies.
+    assert run_threads([lambda: clients[0].commit(0, 0, True), lambda: clients[1].commit(0, 0, False)]) == [False] * 2
+    views = run_threads([lambda c=c: c.sync(0, 1) for c in clients])
+    assert [v.skip for v in views] == [False, False]
+    run_threads([lambda c=c: c.commit(0, 1, False) for c in clients])
+    views = run_threads([lambda c=c: c.sync(0, 2) for c in clients])
+    assert [v.skip for v in views] == [True, True]  # num_all_reduce_tries=2: skipped on every node alike
+    _close(clients)
+
+
+def test_deathrattle_removes_a_node_at_once(coordinator):
+    clients = _clients(coordinator, 3)
+    run_threads([lambda c=c: c.sync(0) for c in clients])
+    clients[2].close()  # graceful: sends leave
+    start = time.monotonic()
+    views = run_threads([lambda c=c: c.sync(1) for c in clients[:2]])
+    assert time.monotonic() - start < FAST.eviction_timeout_s  # faster than waiting for the heartbeats
+    assert views[0].members == views[1].members and "node-2" not in views[0].members
+    assert views[0].epoch == 2
+    _close(clients[:2])
+
+
+def test_silent_node_is_evicted_and_told_so(coordinator):
+    clients = _clients(coordinator, 3)
+    run_threads([lambda c=c: c.sync(0) for c in clients])
+    clients[2]._stop.set()  # its heartbeats stop: a frozen process
+    clients[2]._heartbeats.join()
+    views = run_threads([lambda c=c: c.sync(1) for c in clients[:2]])
+    assert "node-2" not in views[0].members
+    with pytest.raises(Evicted, match="rejoin as a new node"):
+        clients[2].sync(1)
+    _close(clients)
+
+
+def test_joiner_is_admitted_at_the_next_outer_step(coordinator):
+    clients = _clients(coordinator, 2)
+    run_threads([lambda c=c: c.sync(0) for c in clients])
+    late = MeshClient(coordinator.address, FAST, node_id="late")
+    late.join()
+
+    def member_sync(c):
+        while "late" not in coordinator._waiting:  # the joiner waits at the barrier before the members arrive
+            time.sleep(0.01)
+        return c.sync(1)
+
+    views = run_threads([lambda c=c: member_sync(c) for c in clients] + [lambda: late.sync(0)])
+    assert len(set(views)) == 1 and views[0].new == ("late",) and "late" in views[0].members
+    _close([*clients, late])
+
+
+def test_coordinator_restart_keeps_the_run(coordinator):
+    clients = _clients(coordinator, 2)
+    first = run_threads([lambda c=c: c.sync(0) for c in clients])[0]
+    address = coordinator.address
+    coordinator.stop()
+    time.sleep(0.3)
+    reborn = Coordinator(FAST, bind=address).start()
+    try:
+        views = run_threads([lambda c=c: c.sync(1) for c in clients])
+        assert views[0].members == first.members and views[0].epoch == first.epoch
+        assert views[0].step == 1
+    finally:
+        _close(clients)
+        reborn.stop()
+
+
+def test_hash_disagreement_is_reported(coordinator):
+    clients = _clients(coordinator, 2)
+    run_threads([lambda c=c: c.sync(0) for c in clients])
+    run_threads([lambda: clients[0].sync(1, state_hash="aaa", hash_step=0),
+                 lambda: clients[1].sync(1, state_hash="bbb", hash_step=0)])
+    assert coordinator.disagreements == [(0, {"node-0": "aaa", "node-1": "bbb"})]
+    _close(clients)
