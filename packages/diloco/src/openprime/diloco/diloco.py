@@ -1,22 +1,25 @@
 """DiLoCo around an ordinary training loop (INTELLECT-1 paper, section 2.1; Douillard et al., 2023).
 
 The user's loop is unchanged: forward, backward, `inner_opt.step()`, and then `diloco.step()`, which
-counts inner steps and, every `num_inner_steps`, runs the outer step:
+counts inner steps and, every `num_inner_steps`, runs the outer step. One outer step is one or more
+tries, each decided by the `Membership` (openprime.core.membership; static, or the elastic mesh):
 
-1. delta = theta_global - theta_local on the host (openprime.diloco.outer.OuterState);
-2. the nodes agree how many of them contribute (a joiner may send a zero pseudo-gradient);
-3. a ring all-reduce sums the pseudo-gradients over the transport; the mean divides by the
-   contributors, never by a stale world size;
-4. the outer optimizer updates theta_global, which is copied back into the model;
-5. every node hashes its global weights and outer momentum and the hashes are compared: a mismatch
-   raises ReplicaDivergence (PRIME could drift silently).
-
-If the all-reduce fails, PeerFailure propagates and nothing was applied: the global weights, the
-momentum and the model are as they were, and the node never applies its own un-averaged delta.
+1. `begin`: wait at the barrier; get this try's group. Members admitted at this barrier first receive
+   the global state from a donor, so that they enter with a zero pseudo-gradient (non-contributing).
+2. delta = theta_global - theta_local on the host (openprime.diloco.outer.OuterState).
+3. the members agree how many of them contribute; a ring all-reduce sums the pseudo-gradients.
+4. `commit`: apply only if every member's all-reduce succeeded; otherwise every survivor tries again
+   (the input is recomputed; nothing was applied). After the configured tries the membership skips
+   the step on every node alike: a node never applies its own un-averaged delta.
+5. the mean divides by the contributors, the outer optimizer updates theta_global, which is copied
+   back into the model, and the hashes of the global state are compared (ReplicaDivergence on a
+   mismatch; PRIME could drift silently).
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
 import time
 from collections.abc import Iterable
 
@@ -24,12 +27,15 @@ import attrs
 import torch
 
 from openprime.core.codec import Codec, Float32Codec
-from openprime.core.collectives import all_gather_object, ring_all_reduce
-from openprime.core.errors import ReplicaDivergence
+from openprime.core.collectives import TAG_STATE, all_gather_object, ring_all_reduce
+from openprime.core.errors import PeerFailure, ReplicaDivergence
+from openprime.core.membership import Membership, Round, StaticMembership
 from openprime.core.timeouts import Timeouts
 from openprime.core.transport import Transport
 from openprime.diloco.config import DiLoCoConfig
 from openprime.diloco.outer import OuterState, outer_update_
+
+log = logging.getLogger("openprime.diloco")
 
 
 @attrs.frozen
@@ -38,6 +44,9 @@ class OuterStepResult:
 
     outer_step: int
     num_contributors: int
+    num_members: int
+    num_tries: int
+    skipped: bool
     state_hash: str
     bytes_sent: int
     bytes_received: int
@@ -48,15 +57,21 @@ class OuterStepResult:
 class DiLoCo:
     """The DiLoCo outer loop for the parameters of one replica (one node, or one shard of it)."""
 
-    def __init__(self, params: Iterable[torch.Tensor], *, config: DiLoCoConfig, transport: Transport,
-                 timeouts: Timeouts, codec: Codec | None = None) -> None:
+    def __init__(self, params: Iterable[torch.Tensor], *, config: DiLoCoConfig, timeouts: Timeouts,
+                 transport: Transport | None = None, membership: Membership | None = None,
+                 codec: Codec | None = None, joining: bool = False) -> None:
+        if (transport is None) == (membership is None):
+            raise ValueError("DiLoCo takes either a transport (a static group) or a membership, not both")
         self.config = config
-        self.transport = transport
+        self.membership = membership or StaticMembership(transport)
         self.timeouts = timeouts
         self.codec = codec or Float32Codec()
         self.state = OuterState([p for p in params if p.requires_grad])
         self.num_inner_steps_done = 0
         self.num_outer_steps_done = 0
+        # Reported at each barrier for the state after the previous outer step (-1: the initial weights),
+        # so the coordinator compares replicas; a joiner has nothing to report until it got the state.
+        self._last_hash: str | None = None if joining else self.state.state_hash()
 
     def step(self) -> OuterStepResult | None:
         """Count one inner step; run the outer step when `num_inner_steps` have passed since the last."""
@@ -65,45 +80,93 @@ class DiLoCo:
             return None
         return self.sync()
 
-    def _deadline(self) -> float:
-        return time.monotonic() + self.timeouts.collective_s(self.transport.world_size)
+    def _deadline(self, transport: Transport) -> float:
+        return time.monotonic() + self.timeouts.collective_s(transport.world_size)
 
     def sync(self, *, contribute: bool = True) -> OuterStepResult:
         """Run one outer step now. With `contribute=False` this node sends a zero pseudo-gradient."""
         start = time.monotonic()
-        sent0, received0 = self.transport.bytes_sent, self.transport.bytes_received
-        delta = self.state.compute_pseudo_gradient()
-        if not contribute:
-            delta.zero_()
-        flags = all_gather_object(self.transport, contribute, deadline=self._deadline())
-        num_contributors = sum(bool(f) for f in flags)
-        reduce_start = time.monotonic()
-        ring_all_reduce(self.transport, delta, deadline=self._deadline(), codec=self.codec)
-        all_reduce_s = time.monotonic() - reduce_start
+        step = self.num_outer_steps_done
+        sent = received = 0
+        for attempt in itertools.count():
+            rnd = self.membership.begin(step, attempt, state_hash=self._last_hash, hash_step=step - 1)
+            t = rnd.transport
+            sent0, received0 = t.bytes_sent, t.bytes_received
+            if rnd.skip:
+                log.warning("outer step %d skipped after %d failed tries", step, attempt)
+                self.num_outer_steps_done += 1
+                return self._result(step, 0, t.world_size, attempt, True, sent, received, 0.0, start)
+            ok, num_contributors, all_reduce_s = self._try(rnd, contribute)
+            sent += t.bytes_sent - sent0
+            received += t.bytes_received - received0
+            if self.membership.commit(step, attempt, ok):
+                break
         if num_contributors:
-            delta.div_(num_contributors)
-            outer_update_(self.state.theta, self.state.momentum, delta, lr=self.config.outer_lr,
+            self.state.delta.div_(num_contributors)
+            outer_update_(self.state.theta, self.state.momentum, self.state.delta, lr=self.config.outer_lr,
                           mu=self.config.outer_momentum, optimizer=self.config.outer_optimizer)
         self.state.copy_to_params()
         self.num_outer_steps_done += 1
-        state_hash = self.verify_replicas()
-        return OuterStepResult(
-            outer_step=self.num_outer_steps_done,
-            num_contributors=num_contributors,
-            state_hash=state_hash,
-            bytes_sent=self.transport.bytes_sent - sent0,
-            bytes_received=self.transport.bytes_received - received0,
-            all_reduce_s=all_reduce_s,
-            total_s=time.monotonic() - start,
-        )
+        self._last_hash = self._verify(t)
+        return self._result(step, num_contributors, t.world_size, attempt + 1, False, sent, received, all_reduce_s,
+                            start)
 
-    def verify_replicas(self) -> str:
-        """Compare the hash of the global state across nodes; raise ReplicaDivergence if any differs."""
+    def _try(self, rnd: Round, contribute: bool) -> tuple[bool, int, float]:
+        """State to the newcomers, then the all-reduce of this try; (succeeded, contributors, seconds)."""
+        t = rnd.transport
+        try:
+            if rnd.new_ranks:
+                self._transfer_state(rnd)
+            contributing = contribute and t.rank not in rnd.new_ranks
+            delta = self.state.compute_pseudo_gradient()
+            if not contributing:
+                delta.zero_()
+            flags = all_gather_object(t, contributing, deadline=self._deadline(t))
+            reduce_start = time.monotonic()
+            ring_all_reduce(t, delta, deadline=self._deadline(t), codec=self.codec)
+            return True, sum(bool(f) for f in flags), time.monotonic() - reduce_start  # delta holds the sum
+        except PeerFailure as e:
+            log.warning("outer step all-reduce failed on rank %d: %s", t.rank, e)
+            return False, 0, 0.0
+
+    def _transfer_state(self, rnd: Round) -> None:
+        """The donor sends the global state and the step counters to every member admitted now."""
+        t = rnd.transport
+        counters = torch.tensor([self.num_inner_steps_done, self.num_outer_steps_done], dtype=torch.int64)
+        buffers = [self.state.theta, self.state.momentum, counters]
+        deadline = self._deadline(t)
+        if t.rank == rnd.donor_rank:
+            for rank in rnd.new_ranks:
+                t.send(rank, TAG_STATE, buffers, deadline=deadline)
+        elif t.rank in rnd.new_ranks:
+            t.recv(rnd.donor_rank, TAG_STATE, buffers, deadline=deadline)
+            self.num_inner_steps_done, self.num_outer_steps_done = (int(c) for c in counters)
+            self.state.copy_to_params()
+            self._last_hash = self.state.state_hash()
+
+    def _verify(self, t: Transport) -> str:
+        """Compare the hash of the global state across the members; raise ReplicaDivergence if any differs."""
         mine = self.state.state_hash()
-        hashes = all_gather_object(self.transport, mine, deadline=self._deadline())
+        try:
+            hashes = all_gather_object(t, mine, deadline=self._deadline(t))
+        except PeerFailure as e:
+            # A member left after applying; the coordinator still compares the hashes at the next barrier.
+            log.warning("could not compare state hashes after outer step %d: %s", self.num_outer_steps_done, e)
+            return mine
         if len(set(hashes)) != 1:
             listing = ", ".join(f"rank {r}: {h}" for r, h in enumerate(hashes))
             raise ReplicaDivergence(
                 f"global state differs across replicas after outer step {self.num_outer_steps_done} ({listing})"
             )
         return mine
+
+    def verify_replicas(self, transport: Transport) -> str:
+        """Compare the hash of the global state across the members of `transport`'s group."""
+        return self._verify(transport)
+
+    def _result(self, step: int, num_contributors: int, num_members: int, num_tries: int, skipped: bool,
+                sent: int, received: int, all_reduce_s: float, start: float) -> OuterStepResult:
+        return OuterStepResult(outer_step=step + 1, num_contributors=num_contributors, num_members=num_members,
+                               num_tries=num_tries, skipped=skipped, state_hash=self.state.state_hash(),
+                               bytes_sent=sent, bytes_received=received, all_reduce_s=all_reduce_s,
+                               total_s=time.monotonic() - start)

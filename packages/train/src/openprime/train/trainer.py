@@ -77,7 +77,7 @@ def run_node(cfg: RunConfig, *, node_rank: int, num_nodes: int, rendezvous: Rend
     metrics = MetricsWriter(run_dir, node_rank)
     try:
         diloco = DiLoCo(model.parameters(), config=cfg.diloco, transport=transport, timeouts=cfg.timeouts)
-        metrics.write("start", num_nodes=num_nodes, state_hash=diloco.verify_replicas())
+        metrics.write("start", num_nodes=num_nodes, state_hash=diloco.verify_replicas(transport))
         tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
         losses, outer, window_start = [], None, time.monotonic()
         for step in range(1, cfg.train.num_steps + 1):

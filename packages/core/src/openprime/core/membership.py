@@ -1,0 +1,67 @@
+"""The interface between DiLoCo and whoever decides the group of each outer step.
+
+DiLoCo (openprime.diloco) and the elastic mesh (openprime.mesh) know nothing of each other; both know
+this. At every outer step DiLoCo asks its `Membership` to `begin` a try: the answer is the transport of
+this try's group, this node's place in it, who is new (they receive the state first) and whether the
+step is skipped. After its all-reduce DiLoCo reports success with `commit` and applies the result only
+if every member succeeded. `StaticMembership` is a fixed group that never changes (one node, or a
+static run over one transport); the mesh provides the elastic one.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import attrs
+
+from openprime.core.errors import PeerFailure
+from openprime.core.transport import Transport
+
+
+@attrs.frozen
+class Round:
+    """One try of one outer step, as every member sees it."""
+
+    transport: Transport
+    skip: bool = False  # the tries are used up: no member applies anything this outer step
+    new_ranks: tuple[int, ...] = ()  # members admitted at this barrier: they receive the state first
+    donor_rank: int = 0  # the member that sends them the state
+
+
+class Membership(ABC):
+    """Decides the group of every try of every outer step."""
+
+    @abstractmethod
+    def begin(self, step: int, attempt: int, *, state_hash: str | None, hash_step: int) -> Round:
+        """Wait for the others at the barrier of (step, attempt); report the state's hash after `hash_step`.
+
+        `hash_step` is -1 for the initial weights; `state_hash` is None while a joiner has no state yet.
+        """
+
+    @abstractmethod
+    def commit(self, step: int, attempt: int, ok: bool) -> bool:
+        """Report this member's all-reduce outcome; True when every member succeeded."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Leave the group (the transport of the last round included)."""
+
+
+class StaticMembership(Membership):
+    """A group that never changes: every try uses the same transport and always commits what succeeded."""
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+
+    def begin(self, step: int, attempt: int, *, state_hash: str | None, hash_step: int) -> Round:
+        return Round(transport=self.transport)
+
+    def commit(self, step: int, attempt: int, ok: bool) -> bool:
+        if not ok:
+            raise PeerFailure(tuple(range(self.transport.world_size)),
+                              "a peer of a static group failed during the all-reduce; a static group cannot go on "
+                              "without it (run under the mesh for elastic membership)")
+        return True
+
+    def close(self) -> None:
+        self.transport.close()
