@@ -29,4 +29,5 @@ def config():
         schedule=attrs.evolve(paper.schedule, num_warmup_steps=20, num_decay_steps=40),
         train=attrs.evolve(paper.train, num_steps=200, seq_len=128, batch_size=8, log_every=20),
         diloco=attrs.evolve(paper.diloco, num_inner_steps=20),
+        mesh=attrs.evolve(paper.mesh, max_nodes=8),
     )

@@ -45,7 +45,8 @@ def test_two_node_debug_run(tmp_path):
     outer = [r for r in read_records(run_dir) if r["kind"] == "outer"]
     assert {r["num_contributors"] for r in outer} == {2}
     starts = [r for r in read_records(run_dir) if r["kind"] == "start"]
-    assert len({r["state_hash"] for r in starts}) == 1  # identical initial weights, checked before step 1
+    assert len({r["state_hash"] for r in starts}) == 1  # identical initial weights
+    assert "REPLICAS DISAGREE" not in proc.stderr  # the coordinator compared them at every barrier
 
     resolved = json.loads((run_dir / "config.json").read_text())
     assert resolved["overrides"] == ["train.num_steps=100", "diloco.num_inner_steps=10"]

@@ -23,6 +23,8 @@ class Round:
     """One try of one outer step, as every member sees it."""
 
     transport: Transport
+    step: int  # the outer step and try every member is at (a newcomer learns them here)
+    attempt: int
     skip: bool = False  # the tries are used up: no member applies anything this outer step
     new_ranks: tuple[int, ...] = ()  # members admitted at this barrier: they receive the state first
     donor_rank: int = 0  # the member that sends them the state
@@ -54,7 +56,7 @@ class StaticMembership(Membership):
         self.transport = transport
 
     def begin(self, step: int, attempt: int, *, state_hash: str | None, hash_step: int) -> Round:
-        return Round(transport=self.transport)
+        return Round(transport=self.transport, step=step, attempt=attempt)
 
     def commit(self, step: int, attempt: int, ok: bool) -> bool:
         if not ok:

@@ -18,7 +18,6 @@ tries, each decided by the `Membership` (openprime.core.membership; static, or t
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Iterable
@@ -73,6 +72,11 @@ class DiLoCo:
         # so the coordinator compares replicas; a joiner has nothing to report until it got the state.
         self._last_hash: str | None = None if joining else self.state.state_hash()
 
+    def rejoin(self, membership: Membership) -> None:
+        """Continue under a new membership as a newcomer (after an eviction): the next sync brings the state."""
+        self.membership = membership
+        self._last_hash = None
+
     def step(self) -> OuterStepResult | None:
         """Count one inner step; run the outer step when `num_inner_steps` have passed since the last."""
         self.num_inner_steps_done += 1
@@ -86,27 +90,28 @@ class DiLoCo:
     def sync(self, *, contribute: bool = True) -> OuterStepResult:
         """Run one outer step now. With `contribute=False` this node sends a zero pseudo-gradient."""
         start = time.monotonic()
-        step = self.num_outer_steps_done
+        step, attempt = self.num_outer_steps_done, 0
         sent = received = 0
-        for attempt in itertools.count():
+        while True:
             rnd = self.membership.begin(step, attempt, state_hash=self._last_hash, hash_step=step - 1)
-            t = rnd.transport
+            step, attempt, t = rnd.step, rnd.attempt, rnd.transport  # a newcomer learns where the run is
             sent0, received0 = t.bytes_sent, t.bytes_received
             if rnd.skip:
                 log.warning("outer step %d skipped after %d failed tries", step, attempt)
-                self.num_outer_steps_done += 1
+                self.num_outer_steps_done = step + 1
                 return self._result(step, 0, t.world_size, attempt, True, sent, received, 0.0, start)
             ok, num_contributors, all_reduce_s = self._try(rnd, contribute)
             sent += t.bytes_sent - sent0
             received += t.bytes_received - received0
             if self.membership.commit(step, attempt, ok):
                 break
+            attempt += 1
         if num_contributors:
             self.state.delta.div_(num_contributors)
             outer_update_(self.state.theta, self.state.momentum, self.state.delta, lr=self.config.outer_lr,
                           mu=self.config.outer_momentum, optimizer=self.config.outer_optimizer)
         self.state.copy_to_params()
-        self.num_outer_steps_done += 1
+        self.num_outer_steps_done = step + 1
         self._last_hash = self._verify(t)
         return self._result(step, num_contributors, t.world_size, attempt + 1, False, sent, received, all_reduce_s,
                             start)

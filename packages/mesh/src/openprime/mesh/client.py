@@ -69,6 +69,8 @@ class MeshClient:
         self.node = node_id or new_node_id()
         self.incarnation = uuid.uuid4().hex
         self.slot = -1
+        self.store = ""  # host:port of the rendezvous store the coordinator hosts
+        self.joined_epoch = 0  # the run's epoch when this node joined: 0 means the run had not started
         self.view: View | None = None
         self.evicted = False
         self._secret = AuthConfig(run_id=config.run_id, secret_file=config.secret_file).load_secret()
@@ -125,7 +127,7 @@ class MeshClient:
             reply = self._request(self._sock, "join", deadline)
         if reply.get("op") != "joined":
             raise OpenPrimeError(f"coordinator refused to let node {self.node} join: {reply.get('reason')}")
-        self.slot = reply["slot"]
+        self.slot, self.store, self.joined_epoch = reply["slot"], reply["store"], reply["epoch"]
         self._start_heartbeats()
         return self.slot
 
@@ -139,7 +141,7 @@ class MeshClient:
         view = View(epoch=reply["epoch"], members=tuple(reply["members"]), new=tuple(reply["new"]),
                     step=reply["step"], attempt=reply["attempt"], skip=reply["skip"],
                     slots=tuple((n, s) for n, s in reply["slots"]))
-        self.view = view
+        self.view, self.store = view, reply.get("store", self.store)
         return view
 
     def commit(self, step: int, attempt: int, ok: bool) -> bool:

@@ -29,6 +29,7 @@ import attrs
 import zmq
 
 from openprime.core.auth import AuthConfig
+from openprime.core.distributed import host_store
 from openprime.mesh.config import MeshConfig
 from openprime.mesh.protocol import BadMessage, check_request, pack, unpack
 
@@ -59,7 +60,8 @@ class Coordinator:
     """The membership server. `start()` runs it on a background thread; `serve_forever()` in this one."""
 
     def __init__(self, config: MeshConfig, bind: str = "tcp://127.0.0.1:0",
-                 ring_order: Callable[[list[str]], list[str]] | None = None) -> None:
+                 ring_order: Callable[[list[str]], list[str]] | None = None, *, store_port: int = 0,
+                 store_timeout_s: float = 60.0) -> None:
         self.config = config
         self._secret = AuthConfig(run_id=config.run_id, secret_file=config.secret_file).load_secret()
         self._ring_order = ring_order or (lambda members: members)
@@ -73,6 +75,11 @@ class Coordinator:
         else:
             self._sock.bind(bind)
             self.address = bind
+        # The rendezvous store where each group of each epoch meets (openprime.core.distributed).
+        host = self.address.split("://", 1)[-1].rsplit(":", 1)[0]
+        self._store = host_store("127.0.0.1" if host in ("*", "0.0.0.0") else host, store_port,
+                                 timeout_s=store_timeout_s)
+        self.store = f"{host}:{self._store.port}"
         self.nodes: dict[str, NodeRecord] = {}
         self.epoch = 0
         self.members: list[str] = []
@@ -179,7 +186,7 @@ class Coordinator:
             record = NodeRecord(node=node, incarnation=message["incarnation"], slot=slot, last_seen=now, joined_at=now)
             self.nodes[node] = record
             log.info("node %s joined (slot %d); it is admitted at the next outer step", node, slot)
-        return {"op": "joined", "slot": record.slot, "epoch": self.epoch, "step": self.step}
+        return {"op": "joined", "slot": record.slot, "epoch": self.epoch, "step": self.step, "store": self.store}
 
     def _on_heartbeat(self, route: bytes, message: dict) -> dict:
         if self._known(message) is None:
@@ -251,7 +258,8 @@ class Coordinator:
         self.members, self.step = members, step
         skip = attempt >= self.config.num_all_reduce_tries
         view = {"op": "view", "epoch": self.epoch, "members": members, "new": joiners, "step": step,
-                "attempt": attempt, "skip": skip, "slots": [[m, self.nodes[m].slot] for m in members]}
+                "attempt": attempt, "skip": skip, "slots": [[m, self.nodes[m].slot] for m in members],
+                "store": self.store}
         self._committee = Committee(step=step, attempt=attempt, members=frozenset(members))
         for route, req, _ in self._waiting.values():
             self._reply(route, req, view)

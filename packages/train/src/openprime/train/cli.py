@@ -1,7 +1,8 @@
 """The `openprime` command.
 
     openprime run RECIPE [--nodes N] [--run-dir DIR] [--network SITE.toml] [--transport gloo|tcp|zmq]
-                         [--set key=value ...] [--dry-run]
+                         [--join HOST:PORT] [--set key=value ...] [--dry-run]
+    openprime mesh serve [--bind tcp://0.0.0.0:29500] [--min-nodes N] [--set key=value ...]
 
 Everything about an experiment lives in its recipe; a site file holds what belongs to the network
 (transport, addresses, secret, shaping, timeouts); `--set` changes one config field for one run and
@@ -12,13 +13,17 @@ command with one message naming the field.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import pathlib
+import signal
 import sys
 
 import torch
 
+from openprime.core.config import override
 from openprime.core.errors import ConfigError
+from openprime.mesh import Coordinator, MeshConfig
 from openprime.train.config import RunConfig, TransportKind
 from openprime.train.model import Llama, count_parameters, num_flops_per_token
 from openprime.train.recipe import loaded_recipe_files, recipe_config
@@ -40,9 +45,39 @@ def _parser() -> argparse.ArgumentParser:
                      help="site file: transport, its options and timeouts for this network")
     run.add_argument("--transport", choices=[k.value for k in TransportKind], default=None,
                      help="swap the transport for this run (same as --set transport.kind=NAME)")
+    run.add_argument("--join", default=None, metavar="HOST:PORT",
+                     help="join the run of the coordinator at HOST:PORT (see `openprime mesh serve`), "
+                          "at its start or mid-run, instead of starting a coordinator here")
     run.add_argument("--dry-run", action="store_true",
                      help="build the config and the model on the meta device, print them, start nothing")
+    mesh = commands.add_parser("mesh", help="membership services").add_subparsers(dest="mesh_command", required=True)
+    serve = mesh.add_parser("serve", help="run a standalone coordinator for a multi-machine run")
+    serve.add_argument("--bind", default="tcp://0.0.0.0:29500", help="address to listen on (default tcp://0.0.0.0:29500)")
+    serve.add_argument("--store-port", type=int, default=0, help="port of the rendezvous store (default: any free)")
+    serve.add_argument("--min-nodes", type=int, default=1, help="nodes that must join before the first outer step")
+    serve.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override one MeshConfig field, e.g. --set heartbeat_interval_s=1")
     return parser
+
+
+def serve_mesh(args: argparse.Namespace) -> int:
+    """`openprime mesh serve`: a coordinator on this machine until interrupted."""
+    try:
+        cfg = MeshConfig(min_nodes=max(1, args.min_nodes))
+        for item in args.overrides:
+            key, _, value = item.partition("=")
+            cfg = override(cfg, key.strip(), value.strip())
+    except ConfigError as e:
+        print(f"openprime: error: {e}", file=sys.stderr)
+        return 2
+    bind = args.bind if "://" in args.bind else f"tcp://{args.bind}"
+    coordinator = Coordinator(cfg, bind=bind, store_port=args.store_port)
+    print(f"openprime: coordinator at {coordinator.address}, rendezvous store at {coordinator.store}; "
+          f"nodes join with `openprime run RECIPE --join {coordinator.address.split('://')[-1]}`", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    with contextlib.suppress(KeyboardInterrupt):
+        coordinator.serve_forever()
+    return 0
 
 
 def dry_run(cfg: RunConfig, num_nodes: int) -> None:
@@ -67,6 +102,8 @@ def dry_run(cfg: RunConfig, num_nodes: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "mesh":
+        return serve_mesh(args)
     try:
         if args.nodes < 1:
             raise ConfigError(f"--nodes must be >= 1, got {args.nodes}")
@@ -86,12 +123,12 @@ def main(argv: list[str] | None = None) -> int:
 
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = (args.run_dir or pathlib.Path("runs") / f"{cfg.name}-{stamp}").resolve()
-    if (run_dir / "metrics.jsonl").exists():
+    if (run_dir / "metrics.jsonl").exists() and not args.join:
         print(f"openprime: error: {run_dir} already holds a run; choose another --run-dir", file=sys.stderr)
         return 2
     write_run_files(run_dir, cfg, recipe=args.recipe.resolve(), recipe_files=loaded_recipe_files(),
                     overrides=overrides, num_nodes=args.nodes)
-    return launch(cfg, num_nodes=args.nodes, run_dir=run_dir)
+    return launch(cfg, num_nodes=args.nodes, run_dir=run_dir, coordinator=args.join)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from openprime.core.errors import ConfigError
 from openprime.core.streams import StreamTransportConfig
 from openprime.core.timeouts import Timeouts
 from openprime.diloco import DiLoCoConfig
+from openprime.mesh import MeshConfig
 from openprime.train.data import DataConfig
 from openprime.train.model import ModelConfig
 from openprime.train.schedule import ScheduleConfig, validate_schedule
@@ -93,6 +94,8 @@ class RunConfig:
     transport: TransportConfig = field(factory=TransportConfig, doc="transport between nodes",
                                        validator=instance_of(TransportConfig))
     timeouts: Timeouts = field(factory=Timeouts, doc="every deadline of the run", validator=instance_of(Timeouts))
+    mesh: MeshConfig = field(factory=MeshConfig, doc="membership: heartbeats, eviction, retries",
+                             validator=instance_of(MeshConfig))
 
     def __attrs_post_init__(self) -> None:
         if self.data.vocab_size != self.model.vocab_size:

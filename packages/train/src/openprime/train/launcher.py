@@ -1,24 +1,29 @@
-"""Starts the nodes of a run as separate processes on this machine and watches them.
+"""Starts a run's nodes as separate processes on this machine, with a coordinator, and watches them.
 
-The launcher hosts the rendezvous store (not a node: a node's death must not take the store with it),
-prepares the data once (so the nodes do not race to train the tokenizer), writes the resolved config
-and the recipe sources into the run directory, then starts one process per node. If any node fails,
-the others are stopped and the command fails with that node's error.
+The launcher prepares the data once (so the nodes do not race to train the tokenizer), writes the
+resolved config and the recipe sources into the run directory, starts a coordinator (openprime.mesh)
+on a thread of its own process unless one is given (`openprime mesh serve` runs one standalone), and
+then one process per node. Nodes may die and join while the run goes on; the run succeeds when at
+least one node trains to the end. `Launcher` is also what the fault-injection tests and
+tools/chaos.py drive: they kill, freeze and add nodes through it.
 """
 
 from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
 import pathlib
 import shutil
+import signal
 import sys
 import time
 import traceback
 
+import attrs
+
 from openprime.core.config import to_dict
-from openprime.core.distributed import host_store
-from openprime.core.transport import Rendezvous
+from openprime.mesh import Coordinator
 from openprime.train.config import RunConfig
 from openprime.train.data import prepare_data
 from openprime.train.metrics import summarize
@@ -37,45 +42,84 @@ def write_run_files(run_dir: pathlib.Path, cfg: RunConfig, *, recipe: pathlib.Pa
         shutil.copyfile(path, sources / path.name)
 
 
-def _node_main(cfg: RunConfig, node_rank: int, num_nodes: int, rendezvous: Rendezvous, run_dir: pathlib.Path) -> None:
+def node_main(cfg: RunConfig, node: int, coordinator: str, run_dir: pathlib.Path, num_threads: int) -> None:
+    """The body of one node process: SIGTERM leaves gracefully (the deathrattle), errors exit 1."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
-        run_node(cfg, node_rank=node_rank, num_nodes=num_nodes, rendezvous=rendezvous, run_dir=run_dir)
-    except BaseException:
-        print(f"[node {node_rank}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        sys.exit(1)
+        run_node(cfg, node=node, coordinator=coordinator, run_dir=run_dir, num_threads=num_threads)
+    except BaseException as e:
+        if not isinstance(e, SystemExit):
+            print(f"[node {node}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        sys.exit(e.code if isinstance(e, SystemExit) else 1)
 
 
-def launch(cfg: RunConfig, *, num_nodes: int, run_dir: pathlib.Path) -> int:
-    """Run `num_nodes` nodes to the end of the run; returns the exit code for the command."""
-    prepare_data(cfg.data)
-    store = host_store(timeout_s=cfg.timeouts.connect_s)
-    rendezvous = Rendezvous(host="127.0.0.1", port=store.port, group=f"{cfg.name}/diloco/0")
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_node_main, args=(cfg, r, num_nodes, rendezvous, run_dir), name=f"node-{r}")
-             for r in range(num_nodes)]
-    start = time.monotonic()
-    print(f"openprime: starting {num_nodes} nodes of {cfg.name!r}; run directory {run_dir}", flush=True)
-    for p in procs:
-        p.start()
-    failed = None
-    try:
-        while any(p.is_alive() for p in procs) and failed is None:
+class Launcher:
+    """A coordinator plus node processes on this machine."""
+
+    def __init__(self, cfg: RunConfig, run_dir: pathlib.Path, *, num_nodes: int,
+                 coordinator: str | None = None) -> None:
+        self.cfg = attrs.evolve(cfg, mesh=attrs.evolve(cfg.mesh, min_nodes=num_nodes))
+        self.run_dir = run_dir
+        self.num_threads = max(1, (os.cpu_count() or 1) // num_nodes)
+        self._coordinator = None
+        if coordinator is None:
+            self._coordinator = Coordinator(self.cfg.mesh, store_timeout_s=cfg.timeouts.connect_s).start()
+            coordinator = self._coordinator.address
+        self.coordinator = coordinator
+        self.procs: dict[int, mp.Process] = {}
+        self._ctx = mp.get_context("spawn")
+
+    def start_node(self) -> mp.Process:
+        """Start one more node; once the run is under way, it waits for the next outer step and gets the state."""
+        node = len(self.procs)
+        proc = self._ctx.Process(target=node_main, name=f"node-{node}",
+                                 args=(self.cfg, node, self.coordinator, self.run_dir, self.num_threads))
+        proc.start()
+        self.procs[node] = proc
+        return proc
+
+    def wait(self, timeout_s: float | None = None) -> dict[int, int | None]:
+        """Wait for every node to exit (or the timeout); returns exit codes by node."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while any(p.is_alive() for p in self.procs.values()) and (deadline is None or time.monotonic() < deadline):
             time.sleep(0.2)
-            failed = next((p for p in procs if p.exitcode not in (None, 0)), None)
-    except KeyboardInterrupt:
-        failed = "interrupted"
-    finally:
-        for p in procs:
+        return {n: p.exitcode for n, p in self.procs.items()}
+
+    def stop(self) -> None:
+        for p in self.procs.values():
             if p.is_alive():
                 p.terminate()
-        for p in procs:
+        for p in self.procs.values():
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
                 p.join()
-    if failed is not None:
-        who = failed if isinstance(failed, str) else f"{failed.name} exited with code {failed.exitcode}"
-        print(f"openprime: run failed ({who}); the other nodes were stopped. See the log above.", file=sys.stderr)
+        if self._coordinator is not None:
+            self._coordinator.stop()
+            self._coordinator = None
+
+
+def launch(cfg: RunConfig, *, num_nodes: int, run_dir: pathlib.Path, coordinator: str | None = None) -> int:
+    """Run `num_nodes` nodes to the end of the run; returns the exit code for the command."""
+    prepare_data(cfg.data)
+    launcher = Launcher(cfg, run_dir, num_nodes=num_nodes, coordinator=coordinator)
+    start = time.monotonic()
+    print(f"openprime: starting {num_nodes} node(s) of {cfg.name!r}; coordinator {launcher.coordinator}; "
+          f"run directory {run_dir}", flush=True)
+    try:
+        for _ in range(num_nodes):
+            launcher.start_node()
+        codes = launcher.wait()
+    except KeyboardInterrupt:
+        print("openprime: interrupted; stopping the nodes (they leave gracefully)", file=sys.stderr)
+        return 130
+    finally:
+        launcher.stop()
+    failed = {n: c for n, c in codes.items() if c != 0}
+    for node, code in failed.items():
+        print(f"openprime: node {node} exited with code {code}; the others went on without it", file=sys.stderr)
+    if len(failed) == len(codes):
+        print("openprime: run failed: no node finished. See the log above.", file=sys.stderr)
         return 1
     _print_summary(run_dir, time.monotonic() - start)
     return 0

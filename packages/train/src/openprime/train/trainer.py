@@ -1,14 +1,16 @@
 """One node's training loop: an ordinary AdamW loop with DiLoCo wrapped around it (paper section 2.1).
 
-`run_node` is what each node process runs. It builds the model (the same seed on every node, checked
-by comparing hashes before the first step), reads its disjoint share of the data, and trains; every
-`diloco.num_inner_steps` steps `DiLoCo.step()` averages the pseudo-gradients over the transport.
-Per-step and per-outer-step records go to the run's metrics JSONL; progress goes to stdout.
+`run_node` is what each node process runs. It joins the run through the coordinator (openprime.mesh),
+builds the model (the same seed on every node; the coordinator compares the hashes of the initial
+weights at the first barrier), reads its disjoint share of the data (its slot), and trains; every
+`diloco.num_inner_steps` steps `DiLoCo.step()` runs the outer step with whichever nodes are alive.
+A node started mid-run first waits for the next outer step and receives the state from a live peer;
+a node that finds itself evicted (it was frozen) comes back the same way, as a new node. Per-step and
+per-outer-step records go to the run's metrics JSONL; progress goes to stdout.
 """
 
 from __future__ import annotations
 
-import os
 import pathlib
 import time
 
@@ -16,8 +18,8 @@ import attrs
 import torch
 
 from openprime.core.errors import ConfigError
-from openprime.core.transport import Rendezvous
 from openprime.diloco import DiLoCo, OuterStepResult
+from openprime.mesh import ElasticDeviceMesh, Evicted, MeshClient
 from openprime.train.config import RunConfig
 from openprime.train.data import PackedBatches, Split, load_tokens, prepare_data
 from openprime.train.loss import loss_with_max_z
@@ -40,14 +42,31 @@ class NodeSummary:
     bytes_sent: int
 
 
-def build_batches(cfg: RunConfig, node_rank: int, num_nodes: int) -> PackedBatches:
+def build_batches(cfg: RunConfig, slot: int) -> PackedBatches:
+    """This node's disjoint share of the data: shard `slot` of `mesh.max_nodes` (the coordinator's slot)."""
     prepared = prepare_data(cfg.data)
     if prepared.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"the tokenizer has {prepared.vocab_size} tokens but model.vocab_size is "
                           f"{cfg.model.vocab_size}; raise model.vocab_size")
     return PackedBatches(load_tokens(prepared, Split.TRAIN), seq_len=cfg.train.seq_len,
-                         batch_size=cfg.train.batch_size, node_rank=node_rank, num_nodes=num_nodes,
-                         seed=cfg.data.seed + node_rank)
+                         batch_size=cfg.train.batch_size, node_rank=slot, num_nodes=cfg.mesh.max_nodes,
+                         seed=cfg.data.seed + slot)
+
+
+def join_mesh(cfg: RunConfig, coordinator: str) -> ElasticDeviceMesh:
+    """Register this node with the coordinator (a new node id each time) and wrap it as DiLoCo's membership."""
+    client = MeshClient(coordinator, cfg.mesh)
+    client.join()
+    return ElasticDeviceMesh(client, transport_factory=transport_factory(cfg.transport, cfg.timeouts),
+                             run_id=cfg.mesh.run_id)
+
+
+def catch_up(diloco: DiLoCo, sched: torch.optim.lr_scheduler.LRScheduler) -> OuterStepResult:
+    """A joiner waits for the next outer step, receives the global state, and resumes where the run is."""
+    result = diloco.sync(contribute=False)
+    for _ in range(diloco.num_inner_steps_done - sched.last_epoch):
+        sched.step()
+    return result
 
 
 def train_step(model: Llama, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
@@ -63,49 +82,68 @@ def train_step(model: Llama, opt: torch.optim.Optimizer, sched: torch.optim.lr_s
     return loss.ce.item()
 
 
-def run_node(cfg: RunConfig, *, node_rank: int, num_nodes: int, rendezvous: Rendezvous,
-             run_dir: pathlib.Path) -> NodeSummary:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_nodes))
+def run_node(cfg: RunConfig, *, node: int, coordinator: str, run_dir: pathlib.Path,
+             num_threads: int = 1) -> NodeSummary:
+    torch.set_num_threads(num_threads)
     model = Llama(cfg.model)
     model.init_weights(seed=cfg.train.seed)
-    batches = build_batches(cfg, node_rank, num_nodes)
     opt = build_optimizer(model, cfg.optim)
     sched = build_lr_scheduler(opt, num_warmup_steps=cfg.schedule.num_warmup_steps,
                                num_decay_steps=cfg.schedule.num_decay_steps, num_steps=cfg.train.num_steps,
                                shape=cfg.schedule.decay_shape)
-    transport = transport_factory(cfg.transport, cfg.timeouts)(rendezvous, node_rank, num_nodes)
-    metrics = MetricsWriter(run_dir, node_rank)
+    mesh = join_mesh(cfg, coordinator)
+    joining = mesh.client.joined_epoch > 0  # the run is under way: get its state at the next outer step
+    metrics = MetricsWriter(run_dir, node)
     try:
-        diloco = DiLoCo(model.parameters(), config=cfg.diloco, transport=transport, timeouts=cfg.timeouts)
-        metrics.write("start", num_nodes=num_nodes, state_hash=diloco.verify_replicas(transport))
-        tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
+        diloco = DiLoCo(model.parameters(), config=cfg.diloco, timeouts=cfg.timeouts, membership=mesh,
+                        joining=joining)
+        metrics.write("start", node_id=mesh.client.node, slot=mesh.client.slot, joining=joining,
+                      state_hash=diloco.state.state_hash())
+        if joining:
+            _report_outer(metrics, node, diloco.num_inner_steps_done, catch_up(diloco, sched))
+        batches = build_batches(cfg, mesh.client.slot)
+        tokens_per_step, sent = cfg.train.batch_size * cfg.train.seq_len, 0
         losses, outer, window_start = [], None, time.monotonic()
-        for step in range(1, cfg.train.num_steps + 1):
+        while (step := diloco.num_inner_steps_done + 1) <= cfg.train.num_steps:
             inputs_BL, targets_BL = next(batches)
             lr = sched.get_last_lr()[0]
             losses.append(train_step(model, opt, sched, inputs_BL, targets_BL, cfg))
             metrics.write("step", step=step, loss=losses[-1], lr=lr)
-            result = diloco.step()
+            try:
+                result = diloco.step()
+            except Evicted as e:  # frozen or cut off: come back as a new node with the others' state
+                say(f"[node {node}] {e}")
+                mesh = join_mesh(cfg, coordinator)
+                diloco.rejoin(mesh)
+                _report_outer(metrics, node, diloco.num_inner_steps_done, catch_up(diloco, sched))
+                batches = build_batches(cfg, mesh.client.slot)
+                metrics.write("rejoined", node_id=mesh.client.node, slot=mesh.client.slot,
+                              step=diloco.num_inner_steps_done)
+                continue
             if result is not None:
-                outer = result
-                _report_outer(metrics, node_rank, step, result)
+                outer, sent = result, sent + result.bytes_sent
+                _report_outer(metrics, node, step, result)
             if step % cfg.train.log_every == 0 or step == cfg.train.num_steps:
                 elapsed, window_start = time.monotonic() - window_start, time.monotonic()
-                steps_in_window = step % cfg.train.log_every or cfg.train.log_every
-                say(progress_line(node=node_rank, step=step, num_steps=cfg.train.num_steps, loss=losses[-1],
-                                  tokens_per_s=tokens_per_step * steps_in_window / elapsed,
-                                  outer_steps=diloco.num_outer_steps_done, bytes_sent=transport.bytes_sent, lr=lr))
-        summary = NodeSummary(node=node_rank, first_loss=losses[0], last_loss=losses[-1],
+                say(progress_line(node=node, step=step, num_steps=cfg.train.num_steps, loss=losses[-1],
+                                  tokens_per_s=tokens_per_step * cfg.train.log_every / elapsed,
+                                  outer_steps=diloco.num_outer_steps_done, bytes_sent=sent, lr=lr))
+        summary = NodeSummary(node=node, first_loss=losses[0] if losses else float("nan"),
+                              last_loss=losses[-1] if losses else float("nan"),
                               num_outer_steps=diloco.num_outer_steps_done,
-                              last_hash=outer.state_hash if outer else "", bytes_sent=transport.bytes_sent)
+                              last_hash=outer.state_hash if outer else "", bytes_sent=sent)
         metrics.write("end", **attrs.asdict(summary))
         return summary
     finally:
         metrics.close()
-        transport.close()
+        mesh.close()
 
 
 def _report_outer(metrics: MetricsWriter, node: int, step: int, r: OuterStepResult) -> None:
     metrics.write("outer", step=step, **attrs.asdict(r))
-    say(f"[node {node}] outer step {r.outer_step}: {r.num_contributors} nodes, all-reduce {r.all_reduce_s:.2f}s, "
-        f"sent {human_bytes(r.bytes_sent)}, global state hash {r.state_hash[:12]}")
+    if r.skipped:
+        say(f"[node {node}] outer step {r.outer_step} SKIPPED after {r.num_tries - 1} failed tries (on every node)")
+        return
+    retried = f" after {r.num_tries} tries" if r.num_tries > 1 else ""
+    say(f"[node {node}] outer step {r.outer_step}: {r.num_contributors} of {r.num_members} nodes{retried}, "
+        f"all-reduce {r.all_reduce_s:.2f}s, sent {human_bytes(r.bytes_sent)}, global state hash {r.state_hash[:12]}")

@@ -1,0 +1,127 @@
+"""ElasticDeviceMesh: a node's local ranks and the global group across nodes, as one object.
+
+INTELLECT-1 paper, section 2.2. Each process of a node has a local rank (its place in the node, where
+FSDP2 shards the model) and, at every outer step, a global rank (its node's place in the view's ring
+order). Only the node's local rank 0 talks to the coordinator; it hands the view to its other local
+ranks, so the processes of one node never disagree about who is alive. Each local rank gets its own
+transport per try, joining the same local rank of every other node: one ring per local rank, which
+also gives several parallel connections between each pair of nodes.
+
+It implements the `Membership` interface of openprime.core, which DiLoCo drives: a new transport is
+built whenever the epoch changes or a try is retried (a failed group is never reused), and a group
+that cannot be built makes that try fail, so the nodes retry without the missing member.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import msgpack
+import torch
+
+from openprime.core.errors import PeerFailure
+from openprime.core.membership import Membership, Round
+from openprime.core.transport import Handle, Rendezvous, Transport, TransportFactory
+from openprime.mesh.client import MeshClient, View
+
+log = logging.getLogger("openprime.mesh.elastic")
+
+
+class _BrokenTransport(Transport):
+    """Stands in for a group that could not be built: every operation fails at once."""
+
+    def __init__(self, rank: int, world_size: int, reason: str) -> None:
+        super().__init__(rank, world_size)
+        self.reason = reason
+
+    def isend(self, peer: int, tag: int, buffers: Sequence[torch.Tensor], *, deadline: float) -> Handle:
+        raise PeerFailure(peer, self.reason)
+
+    def irecv(self, peer: int, tag: int, buffers: Sequence[torch.Tensor], *, deadline: float) -> Handle:
+        raise PeerFailure(peer, self.reason)
+
+    def close(self) -> None:
+        pass
+
+
+class ElasticDeviceMesh(Membership):
+    """The elastic membership of one process (one local rank of one node)."""
+
+    def __init__(self, client: MeshClient | None, *, transport_factory: TransportFactory, run_id: str,
+                 local_rank: int = 0, local_group: torch.distributed.ProcessGroup | None = None) -> None:
+        if (client is None) != (local_rank != 0):
+            raise ValueError("local rank 0, and only it, holds the node's MeshClient")
+        self.client = client
+        self.local_rank = local_rank
+        self.local_group = local_group
+        self._factory = transport_factory
+        self._run_id = run_id
+        self._transport: Transport | None = None
+        self._epoch = -1
+        self.view: View | None = None
+
+    # ------------------------------------------------------------------ the node's local ranks
+
+    def _share(self, value: object) -> object:
+        """Local rank 0's value, on every local rank of the node (msgpack through the local group)."""
+        if self.local_group is None:
+            return value
+        payload = [msgpack.packb(value) if self.local_rank == 0 else None]
+        torch.distributed.broadcast_object_list(payload, src=0, group=self.local_group)
+        return msgpack.unpackb(payload[0], raw=False)
+
+    def _all_local(self, ok: bool) -> bool:
+        """True when every local rank of the node succeeded."""
+        if self.local_group is None:
+            return ok
+        flag = torch.tensor([1 if ok else 0])
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=self.local_group)
+        return bool(flag.item())
+
+    # ------------------------------------------------------------------ Membership
+
+    def begin(self, step: int, attempt: int, *, state_hash: str | None, hash_step: int) -> Round:
+        reply = None
+        if self.client is not None:
+            view = self.client.sync(step, attempt, state_hash=state_hash, hash_step=hash_step)
+            reply = {"view": [view.epoch, list(view.members), list(view.new), view.step, view.attempt, view.skip,
+                              [list(s) for s in view.slots]], "node": self.client.node,
+                     "store": self.client.store}
+        shared = self._share(reply)
+        epoch, members, new, v_step, v_attempt, skip, slots = shared["view"]
+        view = View(epoch=epoch, members=tuple(members), new=tuple(new), step=v_step, attempt=v_attempt, skip=skip,
+                    slots=tuple((n, s) for n, s in slots))
+        self.view = view
+        rank = view.rank_of(shared["node"])
+        if self._transport is None or epoch != self._epoch or attempt > 0:
+            self._rebuild(view, rank, shared["store"])
+        old = [r for r, n in enumerate(view.members) if n not in view.new]
+        new_ranks = tuple(r for r, n in enumerate(view.members) if n in view.new) if old else ()
+        return Round(transport=self._transport, step=v_step, attempt=v_attempt, skip=skip, new_ranks=new_ranks,
+                     donor_rank=old[0] if old else 0)
+
+    def _rebuild(self, view: View, rank: int, store: str) -> None:
+        if self._transport is not None:
+            self._transport.close()
+        host, port = store.rsplit(":", 1)
+        group = f"{self._run_id}/e{view.epoch}/s{view.step}/a{view.attempt}/l{self.local_rank}"
+        try:
+            self._transport = self._factory(Rendezvous(host=host, port=int(port), group=group), rank,
+                                            len(view.members))
+        except PeerFailure as e:
+            log.warning("could not build the group of epoch %d: %s", view.epoch, e)
+            self._transport = _BrokenTransport(rank, len(view.members), f"group not built: {e.reason}")
+        self._epoch = view.epoch
+
+    def commit(self, step: int, attempt: int, ok: bool) -> bool:
+        ok = self._all_local(ok)
+        decision = self.client.commit(step, attempt, ok) if self.client is not None else None
+        return bool(self._share(decision))
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+        if self.client is not None:
+            self.client.close()
