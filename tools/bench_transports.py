@@ -326,7 +326,9 @@ def _native_once(native: NativeGloo, tensor: torch.Tensor) -> None:
 
 
 def _ring_once(transport, tensor: torch.Tensor, timeout_s: float) -> None:
-    ring_all_reduce(transport, tensor, deadline=time.monotonic() + timeout_s)
+    # In place without a backup copy, as DiLoCo calls it (it recomputes its input after a failure), and as
+    # Gloo's native all-reduce works.
+    ring_all_reduce(transport, tensor, deadline=time.monotonic() + timeout_s, restore_on_failure=False)
 
 
 # ---------------------------------------------------------------- in the parent: run, reduce, print

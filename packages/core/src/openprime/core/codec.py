@@ -37,6 +37,13 @@ class Codec(ABC):
     def decode_(self, out: torch.Tensor, payload: list[torch.Tensor]) -> None:
         """out = decode(payload)."""
 
+    def receive_into(self, out: torch.Tensor) -> list[torch.Tensor] | None:
+        """Payload buffers that alias `out`, for codecs whose payload is the values themselves (else None).
+
+        The all-gather then receives straight into the result and forwards it without a copy.
+        """
+        return None
+
 
 class Float32Codec(Codec):
     """Uncompressed fp32: the payload is the chunk itself (no copy on send)."""
@@ -55,3 +62,6 @@ class Float32Codec(Codec):
     def decode_(self, out: torch.Tensor, payload: list[torch.Tensor]) -> None:
         if out.data_ptr() != payload[0].data_ptr():
             out.copy_(payload[0])
+
+    def receive_into(self, out: torch.Tensor) -> list[torch.Tensor] | None:
+        return [out]

@@ -28,7 +28,21 @@ TAG_ALL_GATHER_DATA = 3
 TAG_STATE = 4
 
 _FP32 = Float32Codec()
-SEGMENT_NUMEL = 1 << 22  # 16 MiB of fp32 per message: large enough to stream, small enough to overlap
+SEGMENT_NUMEL = 1 << 20  # 4 MiB of fp32 per message: large enough to stream, small enough to overlap
+
+
+class _PayloadPool:
+    """Receive buffers reused across the steps of one all-reduce (fresh memory costs page faults)."""
+
+    def __init__(self, codec: Codec) -> None:
+        self._codec = codec
+        self._free: dict[tuple[int, int], list[torch.Tensor]] = {}
+
+    def get(self, numel: int, parity: int) -> list[torch.Tensor]:
+        key = (numel, parity)
+        if key not in self._free:
+            self._free[key] = self._codec.payload_like(numel)
+        return self._free[key]
 
 
 def ring_all_reduce(
@@ -39,10 +53,13 @@ def ring_all_reduce(
     codec: Codec = _FP32,
     tag: int = TAG_ALL_REDUCE,
     segment_numel: int = SEGMENT_NUMEL,
+    restore_on_failure: bool = True,
 ) -> None:
     """Replace the 1-D fp32 CPU `tensor` by its sum over all ranks of the transport's group.
 
-    Raises PeerFailure (tensor unchanged) if a neighbour is lost or `deadline` passes.
+    Raises PeerFailure if a neighbour is lost or `deadline` passes; the tensor is then as it was, or,
+    with `restore_on_failure=False` (for callers that recompute their input anyway, saving a copy of
+    it), undefined.
     """
     if tensor.dtype != torch.float32 or tensor.dim() != 1 or not tensor.is_contiguous():
         raise ValueError(
@@ -52,7 +69,8 @@ def ring_all_reduce(
     if n == 1:
         return
     right, left = (r + 1) % n, (r - 1) % n
-    work = tensor.clone()
+    work = tensor.clone() if restore_on_failure else tensor
+    pool = _PayloadPool(codec)
     # n chunks (sizes differ by at most one element), each cut into segments that travel as separate
     # messages: while segment j is on the wire, segment j + 1 is being encoded, and a received segment is
     # decoded while the next one arrives (the double buffering of INTELLECT-1's int8 all-reduce).
@@ -61,7 +79,7 @@ def ring_all_reduce(
     # Reduce-scatter: at step s send chunk (r - s), receive chunk (r - s - 1) and add it in.
     for s in range(n - 1):
         send_i, recv_i = (r - s) % n, (r - s - 1) % n
-        incoming = [codec.payload_like(seg.numel()) for seg in segments[recv_i]]
+        incoming = [pool.get(seg.numel(), j) for j, seg in enumerate(segments[recv_i])]
         receiving = [transport.irecv(left, tag, p, deadline=deadline) for p in incoming]
         sending = [transport.isend(right, tag, codec.encode(seg), deadline=deadline) for seg in segments[send_i]]
         for seg, payload, handle in zip(segments[recv_i], incoming, receiving, strict=True):
@@ -78,9 +96,12 @@ def ring_all_reduce(
         codec.decode_(seg, payload)
 
     # All-gather: at step s forward the payloads of chunk (r + 1 - s), receive those of chunk (r - s).
+    # fp32 is received straight into the result; a coded payload alternates between two buffer sets,
+    # one being forwarded while the other fills.
     for s in range(n - 1):
         recv_i = (r - s) % n
-        incoming = [codec.payload_like(seg.numel()) for seg in segments[recv_i]]
+        incoming = [codec.receive_into(seg) or pool.get(seg.numel(), len(segments[recv_i]) * (s % 2 + 1) + j)
+                    for j, seg in enumerate(segments[recv_i])]
         receiving = [transport.irecv(left, tag, p, deadline=deadline) for p in incoming]
         sending = [transport.isend(right, tag, p, deadline=deadline) for p in payloads]
         for seg, payload, handle in zip(segments[recv_i], incoming, receiving, strict=True):
@@ -90,7 +111,8 @@ def ring_all_reduce(
             handle.wait()
         payloads = incoming
 
-    tensor.copy_(work)
+    if work is not tensor:
+        tensor.copy_(work)
 
 
 def _bytes_tensor(data: bytes) -> torch.Tensor:

@@ -167,6 +167,11 @@ class Mailbox:
             self._lost[peer] = reason
             self._fail_peer(peer, PeerFailure(peer, reason), drop_unexpected=False)
 
+    def peer_back(self, peer: int) -> None:
+        """`peer` connected (for the first time, or after we could not reach it): receives may wait on it."""
+        with self.cond:
+            self._lost.pop(peer, None)
+
     def peer_reset(self, peer: int) -> None:
         """`peer` (re)connected as a new incarnation or generation: its sequence numbers restart at 0."""
         with self.cond:

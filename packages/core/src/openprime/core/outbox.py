@@ -105,9 +105,11 @@ class ConnectionWriter:
         else:
             self._queue.put(chunk)
 
-    def stop(self, timeout_s: float = 5.0) -> None:
+    def stop(self, timeout_s: float = 5.0) -> bool:
+        """Finish the queued chunks and end the thread; False if it is still writing after `timeout_s`."""
         self._queue.put(None)
         self._thread.join(timeout=timeout_s)
+        return not self._thread.is_alive()
 
     def _run(self) -> None:
         while (chunk := self._queue.get()) is not None:

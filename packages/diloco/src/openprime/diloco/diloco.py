@@ -128,7 +128,8 @@ class DiLoCo:
                 delta.zero_()
             flags = all_gather_object(t, contributing, deadline=self._deadline(t))
             reduce_start = time.monotonic()
-            ring_all_reduce(t, delta, deadline=self._deadline(t), codec=self.codec)
+            # No backup copy of delta: a failed try recomputes it from theta and the parameters.
+            ring_all_reduce(t, delta, deadline=self._deadline(t), codec=self.codec, restore_on_failure=False)
             return True, sum(bool(f) for f in flags), time.monotonic() - reduce_start  # delta holds the sum
         except PeerFailure as e:
             log.warning("outer step all-reduce failed on rank %d: %s", t.rank, e)

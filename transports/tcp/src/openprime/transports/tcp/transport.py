@@ -226,10 +226,10 @@ class TcpTransport(Transport):
                 link.broken = True  # the next send reconnects
 
     def _drop(self, link: _OutLink, *, goodbye: bool = False) -> None:
-        for writer in link.writers:
-            writer.stop(timeout_s=0.5)
-        for sock in link.sockets:
-            if goodbye and not link.broken:
+        stopped = [writer.stop(timeout_s=0.5) for writer in link.writers]
+        for sock, writer_done in zip(link.sockets, stopped + [True] * (len(link.sockets) - len(stopped)), strict=True):
+            # A writer still inside sendall owns its socket: a goodbye now would interleave with its frame.
+            if goodbye and not link.broken and writer_done:
                 _send_quietly(sock, encode_control(_BYE))
             _close(sock)
         link.writers, link.sockets, link.broken = [], [], True
@@ -298,6 +298,8 @@ class TcpTransport(Transport):
                 if previous is not None:
                     # A restarted peer, or one that reconnected after a failure: its streams start afresh.
                     self._mailbox.peer_reset(peer)
+                else:
+                    self._mailbox.peer_back(peer)  # it may have been marked lost when we could not reach it
             self._in_sockets[peer].append(sock)
 
     def _is_current(self, peer: int, sock: socket.socket) -> bool:
