@@ -28,7 +28,7 @@ from openprime.train.config import RunConfig, TransportKind
 from openprime.train.model import Llama, count_parameters, num_flops_per_token
 from openprime.train.recipe import loaded_recipe_files, recipe_config
 from openprime.train.site import site_overrides
-from openprime.train.transports import check_installed
+from openprime.train.transports import check_installed, codec_for
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides += args.overrides
         cfg = recipe_config(args.recipe, overrides)
         check_installed(cfg.transport)
+        codec_for(cfg.diloco.compression)
     except ConfigError as e:
         print(f"openprime: error: {e}", file=sys.stderr)
         return 2

@@ -27,7 +27,7 @@ from openprime.train.metrics import MetricsWriter, human_bytes, progress_line, s
 from openprime.train.model import Llama
 from openprime.train.optim import build_optimizer, clip_gradients
 from openprime.train.schedule import build_lr_scheduler
-from openprime.train.transports import transport_factory
+from openprime.train.transports import codec_for, transport_factory
 
 
 @attrs.frozen
@@ -96,7 +96,7 @@ def run_node(cfg: RunConfig, *, node: int, coordinator: str, run_dir: pathlib.Pa
     metrics = MetricsWriter(run_dir, node)
     try:
         diloco = DiLoCo(model.parameters(), config=cfg.diloco, timeouts=cfg.timeouts, membership=mesh,
-                        joining=joining)
+                        codec=codec_for(cfg.diloco.compression), joining=joining)
         metrics.write("start", node_id=mesh.client.node, slot=mesh.client.slot, joining=joining,
                       state_hash=diloco.state.state_hash())
         if joining:

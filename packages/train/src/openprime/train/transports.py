@@ -1,4 +1,4 @@
-"""Choosing the transport of a run by name, with the pip command when it is not installed."""
+"""Choosing the transport and the codec of a run by name, with the pip command when one is not installed."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ import importlib.util
 
 import attrs
 
+from openprime.core.codec import Codec, Float32Codec
 from openprime.core.errors import ConfigError
 from openprime.core.timeouts import Timeouts
 from openprime.core.transport import TransportFactory
+from openprime.diloco import Compression
 from openprime.train.config import TransportConfig, TransportKind
 
 # kind -> (module, distribution, folder in the repository)
@@ -41,3 +43,15 @@ def check_installed(cfg: TransportConfig) -> None:
             f"transport {cfg.kind.value!r} is not installed; install it with: pip install ./{folder} "
             f"(the {dist_name} package)"
         )
+
+
+def codec_for(compression: Compression) -> Codec:
+    """The codec of the pseudo-gradients on the wire; int8 needs the openprime-kernels package."""
+    if compression is Compression.NONE:
+        return Float32Codec()
+    if importlib.util.find_spec("openprime.kernels") is None:
+        raise ConfigError("diloco.compression=int8 needs the int8 kernels; install them with: "
+                          "pip install ./kernels (the openprime-kernels package)")
+    from openprime.kernels import Int8Codec
+
+    return Int8Codec()
