@@ -222,6 +222,8 @@ MALFORMED = {
                            "heartbeat: field 'members'"),
     "members not node ids": (request("leave", **belief("x", "i") | {"members": [1, 2]}),
                              "leave: members must be node ids"),
+    "bandwidths not a map": (request("sync", attempt=0, bw=[1.0], **belief("x", "i")), "sync: bw must map"),
+    "negative bandwidth": (request("sync", attempt=0, bw={"good-0": -1.0}, **belief("x", "i")), "sync: bw must map"),
 }
 
 
@@ -294,19 +296,16 @@ def test_a_message_of_exactly_max_message_bytes_is_served(mesh):
 @pytest.mark.parametrize("size", [MAX_BYTES + 1, 64 * MAX_BYTES])
 def test_oversized_message_does_not_stop_the_coordinator(mesh, caplog, size):
     """ZeroMQ itself (MAXMSGSIZE) drops the connection of an oversized sender; nobody else notices."""
-    coordinator = mesh.start()
+    mesh.start()
     members, before = form_view(mesh)
     sock = mesh.raw()
     sock.send(padded_status(size))
     assert not sock.poll(300)  # no answer: the connection was dropped before the coordinator saw the message
     assert replies_before_probe(mesh.raw()) == []  # a new connection is served
     assert_still_served(mesh, members, before)
-    assert coordinator.refusals == []  # see test_oversized_message_is_refused_and_logged
+    # Today not in coordinator.refusals and not logged: see test_oversized_message_is_refused_and_logged.
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: an oversized message is dropped by ZeroMQ (MAXMSGSIZE = "
-                   "max_message_bytes) before the coordinator sees it, so it is neither counted in refusals nor "
-                   "logged; the size check in protocol.unpack is unreachable")
 def test_oversized_message_is_refused_and_logged(mesh, caplog):
     coordinator = mesh.start()
     sock = mesh.raw()
@@ -343,9 +342,6 @@ def test_a_client_with_a_stolen_id_cannot_join(mesh, caplog):
     assert_still_served(mesh, members, before)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a join with a live node's id gets no answer (the protocol documents "
-                   "`refused {reason}`), so the node retries every request_timeout_s until its whole deadline "
-                   "(sync_timeout_s, 2 h by default) and then fails with 'did not answer join in time'")
 def test_a_client_with_a_stolen_id_is_told_at_once(mesh):
     mesh.start()
     form_view(mesh)
@@ -378,10 +374,6 @@ def test_a_live_nodes_id_with_another_incarnation_is_refused(mesh, caplog, op):
     assert_still_served(mesh, members, before)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: Coordinator._known adopts the view an impostor reports (epoch above "
-                   "the coordinator's) before it checks the incarnation: the message is refused, but the view is "
-                   "already replaced (epoch, members, step, the real node's slot) and the other members are "
-                   "dropped from it")
 def test_an_impostor_reporting_a_newer_view_does_not_change_the_view(mesh, caplog):
     coordinator = mesh.start()
     members, before = form_view(mesh)
@@ -397,10 +389,6 @@ def test_an_impostor_reporting_a_newer_view_does_not_change_the_view(mesh, caplo
 # ---------------------------------------------------------------- field values out of range
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a reported slot is not checked against max_nodes, and Coordinator._handle "
-                   "only catches BadMessage: the next join raises StopIteration in _on_join and the coordinator "
-                   "thread dies")
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # that death, while it lasts
 def test_a_reported_slot_out_of_range_does_not_stop_the_coordinator(mesh):
     mesh.start(max_nodes=1)
     member = mesh.client("good-0")

@@ -120,3 +120,32 @@ def test_hash_disagreement_is_reported(coordinator):
                  lambda: clients[1].sync(1, state_hash="bbb", hash_step=0)])
     assert coordinator.disagreements == [(0, {"node-0": "aaa", "node-1": "bbb"})]
     _close(clients)
+
+
+def test_measured_bandwidth_reorders_the_ring(coordinator):
+    clients = _clients(coordinator, 4)
+    first = run_threads([lambda c=c: c.sync(0) for c in clients])[0]
+    assert first.members == ("node-0", "node-1", "node-2", "node-3")
+    # Every link is fast except node-0 -> node-1 and node-2 -> node-3, both on the current ring.
+    fast, slow = 1e9, 1e6
+
+    def rates_into(dst: str) -> dict[str, float]:
+        return {src: slow if (src, dst) in {("node-0", "node-1"), ("node-2", "node-3")} else fast
+                for src in first.members if src != dst}
+
+    views = run_threads([lambda c=c: c.sync(1, bandwidth=rates_into(c.node)) for c in clients])
+    order = views[0].members
+    assert views[0].epoch == first.epoch + 1 and len(set(views)) == 1
+    links = list(zip(order, order[1:] + order[:1], strict=True))
+    assert ("node-0", "node-1") not in links and ("node-2", "node-3") not in links, order
+    _close(clients)
+
+
+def test_probe_measures_every_link():
+    from openprime.core.testing import local_group
+    from openprime.mesh.bandwidth import probe_bandwidth
+
+    group = local_group(3)
+    rates = run_threads([lambda t=t: probe_bandwidth(t, 1 << 16, deadline=time.monotonic() + 10) for t in group])
+    assert [sorted(r) for r in rates] == [[1, 2], [0, 2], [0, 1]]
+    assert all(v > 0 for r in rates for v in r.values())

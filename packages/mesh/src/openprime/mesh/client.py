@@ -132,10 +132,15 @@ class MeshClient:
         return self.slot
 
     def sync(self, step: int, attempt: int = 0, *, state_hash: str | None = None,
-             hash_step: int | None = None) -> View:
-        """Wait at the outer-step barrier; returns the view every node of this try gets."""
+             hash_step: int | None = None, bandwidth: dict[str, float] | None = None) -> View:
+        """Wait at the outer-step barrier; returns the view every node of this try gets.
+
+        `bandwidth` reports measured bytes per second from other nodes to this one (for the ring order).
+        """
         deadline = time.monotonic() + self.config.sync_timeout_s
-        extra = {"hash": state_hash, "hash_step": hash_step} if state_hash is not None else {}
+        extra: dict[str, Any] = {"hash": state_hash, "hash_step": hash_step} if state_hash is not None else {}
+        if bandwidth:
+            extra["bw"] = bandwidth
         with self._lock:
             reply = self._request(self._sock, "sync", deadline, step=step, attempt=attempt, **extra)
         view = View(epoch=reply["epoch"], members=tuple(reply["members"]), new=tuple(reply["new"]),

@@ -8,7 +8,7 @@ one eviction timeout before it rebuilds the view from what the nodes report (its
 
 from __future__ import annotations
 
-from openprime.core.config import config, field, instance_of, positive_float, positive_int
+from openprime.core.config import config, field, instance_of, non_negative_int, positive_float, positive_int
 
 
 @config
@@ -26,6 +26,10 @@ class MeshConfig:
     min_nodes: int = field(1, doc="the first view forms once this many nodes have joined", validator=positive_int())
     max_nodes: int = field(64, doc="data is split into this many shards; a node takes a free one",
                            validator=positive_int())
+    probe_bytes: int = field(4 << 20, doc="size of the bandwidth probe between members (0: no probing)",
+                             validator=non_negative_int())
+    reorder_gain: float = field(1.2, doc="re-order the ring only if its slowest link gets this much faster",
+                                validator=positive_float())
     max_message_bytes: int = field(1 << 20, doc="coordinator messages above this size are refused",
                                    validator=positive_int())
     run_id: str = field("openprime", doc="name of the run; messages of another run are refused",

@@ -22,16 +22,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import attrs
+import numpy as np
 import zmq
 
 from openprime.core.auth import AuthConfig
 from openprime.core.distributed import host_store
 from openprime.mesh.config import MeshConfig
 from openprime.mesh.protocol import BadMessage, check_request, pack, unpack
+from openprime.mesh.ring_order import best_ring, ring_bottleneck
 
 log = logging.getLogger("openprime.mesh.coordinator")
 
@@ -59,16 +60,15 @@ class Committee:
 class Coordinator:
     """The membership server. `start()` runs it on a background thread; `serve_forever()` in this one."""
 
-    def __init__(self, config: MeshConfig, bind: str = "tcp://127.0.0.1:0",
-                 ring_order: Callable[[list[str]], list[str]] | None = None, *, store_port: int = 0,
+    def __init__(self, config: MeshConfig, bind: str = "tcp://127.0.0.1:0", *, store_port: int = 0,
                  store_timeout_s: float = 60.0) -> None:
         self.config = config
         self._secret = AuthConfig(run_id=config.run_id, secret_file=config.secret_file).load_secret()
-        self._ring_order = ring_order or (lambda members: members)
+        self.bandwidth: dict[tuple[str, str], float] = {}  # (from, to) -> bytes/s, as the receivers measured
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)  # oversized: dropped by ZeroMQ itself
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 16 * config.max_message_bytes)  # above: dropped by ZeroMQ itself
         if bind.endswith(":0"):
             port = self._sock.bind_to_random_port(bind.rsplit(":", 1)[0])
             self.address = f"{bind.rsplit(':', 1)[0]}:{port}"
@@ -93,6 +93,7 @@ class Coordinator:
         self.evictions: list[str] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._started = time.monotonic()
 
     # ------------------------------------------------------------------ lifetime
 
@@ -135,6 +136,10 @@ class Coordinator:
         except BadMessage as e:
             self._refuse(route, str(e))
             return
+        except Exception as e:
+            log.exception("coordinator failed on a message from connection %s", route.hex())
+            self._refuse(route, f"internal error on this message ({type(e).__name__}: {e})")
+            return
         if reply is not None:
             self._reply(route, message["req"], reply)
 
@@ -149,16 +154,25 @@ class Coordinator:
     def _known(self, message: dict) -> NodeRecord | None:
         """The sender's record (refreshing its liveness), adopting a newer view a restarted coordinator lacks."""
         node, incarnation = message["node"], message["incarnation"]
-        if message["epoch"] > self.epoch and node in message["members"]:
-            self._adopt(message)
         record = self.nodes.get(node)
+        if record is not None and record.incarnation and record.incarnation != incarnation:
+            raise BadMessage(f"node id {node!r} belongs to another process (incarnation mismatch)")
+        if message["epoch"] > self.epoch and node in message["members"] and self._may_adopt():
+            self._adopt(message)
+            record = self.nodes.get(node)
         if record is None:
             return None
-        if record.incarnation and record.incarnation != incarnation:
-            raise BadMessage(f"node id {node!r} belongs to another process (incarnation mismatch)")
         record.incarnation = incarnation
         record.last_seen = time.monotonic()
         return record
+
+    def _may_adopt(self) -> bool:
+        """Only a coordinator that just (re)started, or has no live member, takes the view the nodes report.
+
+        Otherwise any sender could replace the live view by reporting a higher epoch that lists itself.
+        """
+        just_started = time.monotonic() - self._started < self.config.recovery_window_s
+        return just_started or not any(m in self.nodes for m in self.members)
 
     def _adopt(self, message: dict) -> None:
         """The nodes know a newer view than this coordinator: it restarted. Their report is the state."""
@@ -170,16 +184,25 @@ class Coordinator:
             if node not in self.nodes:
                 # Members get one eviction timeout to speak for themselves; slots come from their reports.
                 self.nodes[node] = NodeRecord(node=node, incarnation="", slot=-1 - i, last_seen=now, joined_at=now)
-        self.nodes[message["node"]].slot = message["slot"]
+        self.nodes[message["node"]].slot = self._valid_slot(message["node"], message["slot"])
+
+    def _valid_slot(self, node: str, slot: int) -> int:
+        """The slot a node reports, if it is in range and free; otherwise a free one (or -1 while none is)."""
+        used = {r.slot for n, r in self.nodes.items() if n != node}
+        if 0 <= slot < self.config.max_nodes and slot not in used:
+            return slot
+        return next((s for s in range(self.config.max_nodes) if s not in used), -1)
 
     def _on_join(self, route: bytes, message: dict) -> dict:
         node = message["node"]
         if node in self.nodes and self.nodes[node].incarnation not in ("", message["incarnation"]):
-            raise BadMessage(f"node id {node!r} is already in use by a live node")
+            reason = f"node id {node!r} is already in use by a live node"
+            self._refuse(route, reason)
+            return {"op": "refused", "reason": reason}
         record = self.nodes.get(node)
         if record is None:
             used = {r.slot for r in self.nodes.values()}
-            slot = next(s for s in range(self.config.max_nodes + 1) if s not in used)
+            slot = next((s for s in range(self.config.max_nodes) if s not in used), self.config.max_nodes)
             if slot >= self.config.max_nodes:
                 return {"op": "refused", "reason": f"the run is full (max_nodes={self.config.max_nodes})"}
             now = time.monotonic()
@@ -198,9 +221,11 @@ class Coordinator:
         if record is None:
             return {"op": "evicted"}
         if record.slot < 0:
-            record.slot = message["slot"]
+            record.slot = self._valid_slot(message["node"], message["slot"])
         if isinstance(message.get("hash"), str) and isinstance(message.get("hash_step"), int):
             self._record_hash(message["node"], message["hash_step"], message["hash"])
+        for sender, rate in (message.get("bw") or {}).items():
+            self.bandwidth[(sender, message["node"])] = float(rate)
         self._waiting[message["node"]] = (route, message["req"], message)
         return None  # answered when the barrier completes
 
@@ -252,9 +277,9 @@ class Coordinator:
         arrivals = [self._waiting[m][2] for m in live_members] or [self._waiting[j][2] for j in joiners]
         step = max(a["step"] for a in arrivals)
         attempt = max(a["attempt"] for a in arrivals if a["step"] == step)
-        members = self._ring_order(live_members + joiners)
-        if set(members) != set(self.members):
-            self.epoch += 1
+        members = self._ring_order(live_members, joiners)
+        if members != self.members:
+            self.epoch += 1  # a new set, or the same set in a new order: either way new groups
         self.members, self.step = members, step
         skip = attempt >= self.config.num_all_reduce_tries
         view = {"op": "view", "epoch": self.epoch, "members": members, "new": joiners, "step": step,
@@ -283,6 +308,19 @@ class Coordinator:
         if not apply:
             log.warning("outer step %d try %d not applied: %s", committee.step, committee.attempt,
                         "a member was lost" if live != committee.members else "a member's all-reduce failed")
+
+    def _ring_order(self, live_members: list[str], joiners: list[str]) -> list[str]:
+        """The current order (joiners appended) unless the measured bandwidths give a much faster ring."""
+        current = live_members + joiners
+        if len(current) < 3 or not self.bandwidth:
+            return current
+        matrix = np.array([[self.bandwidth.get((a, b), 0.0) for b in current] for a in current])
+        best = [current[i] for i in best_ring(matrix)]
+        gain = ring_bottleneck(matrix, best_ring(matrix)) / max(ring_bottleneck(matrix, range(len(current))), 1e-9)
+        if gain >= self.config.reorder_gain:
+            log.info("ring re-ordered for bandwidth (slowest link %.1fx faster): %s", gain, best)
+            return best
+        return current
 
     def _record_hash(self, node: str, step: int, digest: str) -> None:
         by_node = self.hashes.setdefault(step, {})

@@ -15,6 +15,8 @@ that cannot be built makes that try fail, so the nodes retry without the missing
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Sequence
 
 import msgpack
@@ -23,6 +25,7 @@ import torch
 from openprime.core.errors import PeerFailure
 from openprime.core.membership import Membership, Round
 from openprime.core.transport import Handle, Rendezvous, Transport, TransportFactory
+from openprime.mesh.bandwidth import probe_bandwidth
 from openprime.mesh.client import MeshClient, View
 
 log = logging.getLogger("openprime.mesh.elastic")
@@ -49,7 +52,8 @@ class ElasticDeviceMesh(Membership):
     """The elastic membership of one process (one local rank of one node)."""
 
     def __init__(self, client: MeshClient | None, *, transport_factory: TransportFactory, run_id: str,
-                 local_rank: int = 0, local_group: torch.distributed.ProcessGroup | None = None) -> None:
+                 local_rank: int = 0, local_group: torch.distributed.ProcessGroup | None = None,
+                 probe_bytes: int = 0, probe_timeout_s: float = 30.0) -> None:
         if (client is None) != (local_rank != 0):
             raise ValueError("local rank 0, and only it, holds the node's MeshClient")
         self.client = client
@@ -60,6 +64,10 @@ class ElasticDeviceMesh(Membership):
         self._transport: Transport | None = None
         self._epoch = -1
         self.view: View | None = None
+        self._probe_bytes, self._probe_timeout_s = probe_bytes, probe_timeout_s
+        self._probed_epoch = -1
+        self._probe: threading.Thread | None = None
+        self._measured: dict[str, float] = {}  # node -> bytes/s from it to this node, reported at the next sync
 
     # ------------------------------------------------------------------ the node's local ranks
 
@@ -83,8 +91,9 @@ class ElasticDeviceMesh(Membership):
 
     def begin(self, step: int, attempt: int, *, state_hash: str | None, hash_step: int) -> Round:
         reply = None
+        bandwidth = self._probe_results()
         if self.client is not None:
-            view = self.client.sync(step, attempt, state_hash=state_hash, hash_step=hash_step)
+            view = self.client.sync(step, attempt, state_hash=state_hash, hash_step=hash_step, bandwidth=bandwidth)
             reply = {"view": [view.epoch, list(view.members), list(view.new), view.step, view.attempt, view.skip,
                               [list(s) for s in view.slots]], "node": self.client.node,
                      "store": self.client.store}
@@ -117,9 +126,38 @@ class ElasticDeviceMesh(Membership):
     def commit(self, step: int, attempt: int, ok: bool) -> bool:
         ok = self._all_local(ok)
         decision = self.client.commit(step, attempt, ok) if self.client is not None else None
-        return bool(self._share(decision))
+        applied = bool(self._share(decision))
+        if applied and self._probe_bytes and self._probed_epoch != self._epoch and len(self.view.members) > 2:
+            self._start_probe()
+        return applied
+
+    # ------------------------------------------------------------------ bandwidth for the ring order
+
+    def _start_probe(self) -> None:
+        """Measure the group's links once per epoch, in the background, until the next outer step."""
+        self._probed_epoch = self._epoch
+        transport, members = self._transport, self.view.members
+        deadline = time.monotonic() + self._probe_timeout_s
+
+        def run() -> None:
+            try:
+                rates = probe_bandwidth(transport, self._probe_bytes, deadline=deadline)
+                self._measured = {members[rank]: rate for rank, rate in rates.items()}
+            except PeerFailure as e:
+                log.info("bandwidth probe of epoch %d stopped: %s", self._epoch, e)
+
+        self._probe = threading.Thread(target=run, name="openprime-probe", daemon=True)
+        self._probe.start()
+
+    def _probe_results(self) -> dict[str, float] | None:
+        if self._probe is not None:
+            self._probe.join(timeout=self._probe_timeout_s)
+            self._probe = None
+        measured, self._measured = self._measured, {}
+        return measured or None
 
     def close(self) -> None:
+        self._probe_results()
         if self._transport is not None:
             self._transport.close()
             self._transport = None

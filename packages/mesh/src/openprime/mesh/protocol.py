@@ -87,4 +87,8 @@ def check_request(message: dict[str, Any]) -> str:
             raise BadMessage(f"{op}: field {name!r} missing or not {getattr(kind, '__name__', kind)}")
     if op != "status" and not all(isinstance(m, str) for m in message["members"]):
         raise BadMessage(f"{op}: members must be node ids")
+    bandwidth = message.get("bw")
+    if bandwidth is not None and not (isinstance(bandwidth, dict) and all(
+            isinstance(k, str) and isinstance(v, int | float) and v >= 0 for k, v in bandwidth.items())):
+        raise BadMessage(f"{op}: bw must map node ids to non-negative rates")
     return op

@@ -58,7 +58,8 @@ def join_mesh(cfg: RunConfig, coordinator: str) -> ElasticDeviceMesh:
     client = MeshClient(coordinator, cfg.mesh)
     client.join()
     return ElasticDeviceMesh(client, transport_factory=transport_factory(cfg.transport, cfg.timeouts),
-                             run_id=cfg.mesh.run_id)
+                             run_id=cfg.mesh.run_id, probe_bytes=cfg.mesh.probe_bytes,
+                             probe_timeout_s=cfg.timeouts.op_s)
 
 
 def catch_up(diloco: DiLoCo, sched: torch.optim.lr_scheduler.LRScheduler) -> OuterStepResult:
