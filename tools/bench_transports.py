@@ -10,16 +10,22 @@ slowest rank counting):
    on loopback several connections can beat one.
 2. Ring all-reduce bus bandwidth (the NCCL convention, busbw = 2(n-1)/n * bytes / time) of a 64 MiB
    fp32 tensor for 2 and 4 processes: `openprime.core.collectives.ring_all_reduce` over each transport,
-   beside Gloo's own `allreduce` on a separate ProcessGroupGloo ("gloo native").
-3. The same ring all-reduce (32 MiB) with every link shaped to 1 Gbit/s (`LinkShaping(rate_bps=1e9)`,
-   tcp and zmq only; gloo cannot shape). A ring of n over links of rate R has a busbw of about R. One
-   message over one shaped link ("p2p") is shown beside it, to tell the pacing's accuracy apart from
-   the ring's own overheads.
+   beside Gloo's own `allreduce` on a separate ProcessGroupGloo ("gloo native"). Each transport also
+   has an int8 row: the same ring with `codec=Int8Codec()` (openprime.kernels, INTELLECT-1's int8
+   compression), its busbw counted in fp32-equivalent bytes (those of the fp32 tensor, although it
+   sends about a quarter of them) so that the rows compare, and its speed-up over the fp32 ring on the
+   same transport (fp32 time / int8 time, in the same repetition).
+3. The same ring all-reduces (32 MiB, fp32 and int8) with every link shaped to 1 Gbit/s
+   (`LinkShaping(rate_bps=1e9)`, tcp and zmq only; gloo cannot shape). A ring of n over links of rate R
+   has a busbw of about R (about 4R for int8, counted in fp32 bytes). One message over one shaped link
+   ("p2p") is shown beside it, to tell the pacing's accuracy apart from the ring's own overheads.
 
 Side by side: for each table and group size, one set of processes builds every transport (each on its
 own rendezvous prefix) and each repetition runs every row back to back, in a rotating order, so the
 rows share the machine's noise. A barrier on the rendezvous store (not on any transport) starts every
 timed operation. The first repetition is a warm-up (connections, page faults) and is not counted.
+Every all-reduce row starts from the same input, copied in before the start barrier: per-rank standard
+normal values (seeded by rank), so that the int8 quantizer sees realistic data.
 
 Run (from the repository root, with the repository's virtual environment):
 
@@ -29,12 +35,15 @@ Run (from the repository root, with the repository's virtual environment):
 
 Reading the tables: "median (min-max)" is over the counted repetitions. A ratio column is the median
 over repetitions of the per-repetition ratio to the reference row measured in that same repetition
-(raw socket, Gloo native, or the shaped link rate), which cancels most of a shared machine's drift;
-it is therefore close to, but not exactly, the ratio of the two medians shown. The targets of the
-issue are checked at the end: tcp and zmq at >= 80% of the raw ceiling for 64 MiB; ring all-reduce
-over tcp/zmq at least as fast as Gloo's native all-reduce for 2 processes; shaped busbw within 10% of
-the link rate. A transport that cannot be imported (zmq not installed) gets a "not installed" row, and
-one that fails gets a "failed" row; the run goes on.
+(raw socket, Gloo native, the shaped link rate, or the fp32 ring on the same transport), which cancels
+most of a shared machine's drift; it is therefore close to, but not exactly, the ratio of the two
+medians shown. The targets of the issue are checked at the end: tcp and zmq at >= 80% of the raw
+ceiling for 64 MiB; ring all-reduce over tcp/zmq at least as fast as Gloo's native all-reduce for 2
+processes; shaped busbw within 10% of the link rate; the int8 ring at least 3.5x faster than the fp32
+ring under shaping, and no slower than it on unshaped loopback (the overlap must hide the
+quantization). A transport that cannot be imported (zmq not installed) gets a "not installed" row, and
+one that fails gets a "failed" row (openprime.kernels missing: the int8 rows say "not installed"); the
+run goes on.
 """
 
 from __future__ import annotations
@@ -66,6 +75,7 @@ MiB = 1 << 20
 RAW = "raw socket"
 RAW_STRIPED = "raw socket x{k} (striped)"
 NATIVE = "gloo native"
+INT8 = "|int8"  # suffix of a transport's int8 ring row
 TRANSPORTS = ("gloo", "tcp", "zmq")
 
 # ---------------------------------------------------------------- factories (picklable, built in the parent)
@@ -300,20 +310,34 @@ class NativeGloo:
 
 
 def body_all_reduce(_transport, ctx: GroupContext, factories: dict[str, Any], numel: int, reps: int,
-                    op_timeout_s: float, with_native: bool) -> dict[str, Any]:
-    """Sum one fp32 tensor of `numel` over the group with every row; returns {row: seconds per rep}."""
+                    op_timeout_s: float, with_native: bool, with_int8: bool = True) -> dict[str, Any]:
+    """Sum one fp32 tensor of `numel` over the group with every row; returns {row: seconds per rep}.
+
+    Rows: each transport's fp32 ring (its name), its int8 ring (name + INT8) when `with_int8`, and Gloo's
+    native all-reduce when `with_native`.
+    """
     barrier = StoreBarrier(ctx, op_timeout_s)
     extra = {NATIVE: lambda: NativeGloo(ctx, op_timeout_s)} if with_native else {}
     endpoints, errors = _build_endpoints(ctx, barrier, factories, extra)
+    int8_codec, int8_error = _int8_codec() if with_int8 else (None, None)
+    # Every row of every rep starts from the same values (so repeated sums never overflow, and the
+    # quantizer always sees the same realistic data): a pristine copy, copied in before the barrier.
+    pristine = torch.randn(numel, generator=torch.Generator().manual_seed(ctx.rank), dtype=torch.float32)
+    tensor = torch.empty_like(pristine)
+    prepare = functools.partial(tensor.copy_, pristine)
     ops: dict[str, Op] = {}
     for name, endpoint in endpoints.items():
-        tensor = torch.empty(numel, dtype=torch.float32)
-        # Every rep starts from the same values, so repeated sums never overflow.
-        prepare = functools.partial(tensor.fill_, 1.0 + ctx.rank)
         if isinstance(endpoint, NativeGloo):
             ops[name] = Op(run=functools.partial(_native_once, endpoint, tensor), prepare=prepare)
-        else:
-            ops[name] = Op(run=functools.partial(_ring_once, endpoint, tensor, op_timeout_s), prepare=prepare)
+            continue
+        ops[name] = Op(run=functools.partial(_ring_once, endpoint, tensor, op_timeout_s), prepare=prepare)
+        if int8_codec is not None:
+            ops[name + INT8] = Op(run=functools.partial(_ring_once, endpoint, tensor, op_timeout_s, int8_codec),
+                                  prepare=prepare)
+    if with_int8:
+        for name in factories:
+            if name in errors or int8_error is not None:
+                errors[name + INT8] = errors.get(name) or int8_error
     try:
         return _measure(barrier, ops, reps, errors)
     finally:
@@ -325,10 +349,22 @@ def _native_once(native: NativeGloo, tensor: torch.Tensor) -> None:
     native.pg.allreduce([tensor]).wait()
 
 
-def _ring_once(transport, tensor: torch.Tensor, timeout_s: float) -> None:
+def _ring_once(transport, tensor: torch.Tensor, timeout_s: float, codec: Any = None) -> None:
     # In place without a backup copy, as DiLoCo calls it (it recomputes its input after a failure), and as
-    # Gloo's native all-reduce works.
-    ring_all_reduce(transport, tensor, deadline=time.monotonic() + timeout_s, restore_on_failure=False)
+    # Gloo's native all-reduce works. No codec: ring_all_reduce's default, fp32.
+    kwargs = {} if codec is None else {"codec": codec}
+    ring_all_reduce(transport, tensor, deadline=time.monotonic() + timeout_s, restore_on_failure=False, **kwargs)
+
+
+def _int8_codec() -> tuple[Any, str | None]:
+    """(Int8Codec(), None), or (None, why the int8 rows cannot run)."""
+    try:
+        from openprime.kernels import Int8Codec
+    except ImportError as e:
+        return None, f"not installed ({e.name or e})"
+    except Exception as e:  # a package mid-edit must not stop the fp32 rows
+        return None, f"failed to load ({_describe(e)})"
+    return Int8Codec(), None
 
 
 # ---------------------------------------------------------------- in the parent: run, reduce, print
@@ -391,6 +427,13 @@ def make_cell(seconds: Any, reference: Any, work: float, reference_rate: float |
     else:
         ratios = []
     return Cell(rates, ratios)
+
+
+def speedup_cell(int8_seconds: Any, fp32_seconds: Any) -> Cell | str:
+    """The int8 row against the fp32 row of the same transport: ratios fp32 time / int8 time, per rep."""
+    if isinstance(fp32_seconds, str) and not isinstance(int8_seconds, str):
+        return f"fp32 row: {fp32_seconds}"
+    return make_cell(int8_seconds, fp32_seconds, 1.0)
 
 
 def lookup(results: dict[str, Any], key: str, unavailable: dict[str, Any], name: str) -> Any:
@@ -459,31 +502,51 @@ def section_all_reduce(opts, names: tuple[str, ...], targets: list[str]) -> str:
     nbytes = opts.ar_numel * 4
     per_n = {}
     for n in opts.world_sizes:
-        per_n[n] = run_measurement(f"ring all-reduce {size_label(nbytes)} fp32", n, body_all_reduce,
-                                   (available, opts.ar_numel, opts.reps, opts.op_timeout_s, True),
+        per_n[n] = run_measurement(f"ring all-reduce {size_label(nbytes)} fp32 and int8", n, body_all_reduce,
+                                   (available, opts.ar_numel, opts.reps, opts.op_timeout_s, True, True),
                                    opts.group_timeout_s)
     header = ["all-reduce"]
     for n in opts.world_sizes:
-        header += [f"n={n} busbw GB/s", "x gloo native"]
+        header += [f"n={n} busbw GB/s", "x gloo native", "int8 speed-up (x fp32 ring)"]
     rows = []
     cells: dict[tuple[str, int], Cell | str] = {}
-    for name in (NATIVE, *names):
-        label = NATIVE if name == NATIVE else f"ring over {name}"
+    speedups: dict[tuple[str, int], Cell | str] = {}
+    for name in (NATIVE, *names, *(name + INT8 for name in names)):
+        transport = name.removesuffix(INT8)
+        label = NATIVE if name == NATIVE else f"{'int8' if name.endswith(INT8) else 'fp32'} ring over {transport}"
         row = [label]
         for n in opts.world_sizes:
-            work = 2 * (n - 1) / n * nbytes / 1e9
+            work = 2 * (n - 1) / n * nbytes / 1e9  # fp32-equivalent bytes for the int8 rows too
             native = lookup(per_n[n], NATIVE, {}, NATIVE)
-            cell = make_cell(lookup(per_n[n], name, factories, name), native, work)
+            seconds = lookup(per_n[n], name, factories, transport)
+            cell = make_cell(seconds, native, work)
             cells[name, n] = cell
             row += list(fmt(cell))
+            if name.endswith(INT8):
+                speedups[transport, n] = speedup_cell(seconds, lookup(per_n[n], transport, factories, transport))
+                row.append(fmt(speedups[transport, n])[1])
+            else:
+                row.append("-")
         rows.append(row)
     if 2 in opts.world_sizes:
         for name in ("tcp", "zmq"):
             if name in names:
                 targets.append(verdict(f"ring over {name} >= gloo native all-reduce, n=2", cells[name, 2],
                                        lambda c: c.ratio >= 1.0, "x gloo native"))
-    return (f"### Ring all-reduce, {size_label(nbytes)} fp32, unshaped loopback (reps {opts.reps})\n\n"
-            + table(header, rows))
+    for name in names:
+        for n in opts.world_sizes:
+            targets.append(verdict(f"int8 ring over {name} on unshaped loopback no slower than the fp32 ring, n={n}",
+                                   speedups[name, n], lambda c: c.ratio >= 1.0, "x fp32 ring"))
+    return (f"### Ring all-reduce, {size_label(nbytes)} fp32 input, unshaped loopback (reps {opts.reps})\n\n"
+            + table(header, rows) + "\n\n" + INT8_NOTE)
+
+
+INT8_NOTE = (
+    "int8 rows: `ring_all_reduce(..., codec=Int8Codec(), restore_on_failure=False)` on the same transport and "
+    "input as the fp32 row; their busbw is in fp32-equivalent terms (the bytes of the fp32 tensor, although "
+    "the int8 ring sends about a quarter of them), so the rows compare. \"int8 speed-up\": fp32 ring time / "
+    "int8 ring time on the same transport, per repetition (> 1: int8 faster). Input: per-rank standard normal "
+    "values, copied in before each timed operation.")
 
 
 def section_shaped(opts, names: tuple[str, ...], targets: list[str]) -> str:
@@ -499,26 +562,41 @@ def section_shaped(opts, names: tuple[str, ...], targets: list[str]) -> str:
     per_n = {}
     for n in opts.world_sizes:
         per_n[n] = run_measurement(f"shaped ring all-reduce {size_label(nbytes)} at {rate}", n, body_all_reduce,
-                                   (available, opts.shaped_numel, opts.reps, opts.op_timeout_s, False),
+                                   (available, opts.shaped_numel, opts.reps, opts.op_timeout_s, False, True),
                                    opts.group_timeout_s)
-    header = ["transport", "p2p Gbit/s", "x link"]
+    header = ["ring", "p2p Gbit/s", "x link"]
     for n in opts.world_sizes:
-        header += [f"ring n={n} busbw Gbit/s", "x link"]
+        header += [f"ring n={n} busbw Gbit/s", "x link", "int8 speed-up (x fp32 ring)"]
     rows = []
     link_gbps = opts.rate_bps / 1e9
-    for name in shaped:
-        cell = make_cell(lookup(p2p, f"{name}|{nbytes}", factories, name), None, nbytes * 8 / 1e9, link_gbps)
-        row = [name, *fmt(cell)]
+    int8_targets = []
+    for name in (*shaped, *(name + INT8 for name in shaped)):
+        transport = name.removesuffix(INT8)
+        if name.endswith(INT8):
+            row = [f"int8 over {transport}", "-", "-"]  # the link alone is the fp32 row's
+        else:
+            cell = make_cell(lookup(p2p, f"{name}|{nbytes}", factories, name), None, nbytes * 8 / 1e9, link_gbps)
+            row = [f"fp32 over {transport}", *fmt(cell)]
         for n in opts.world_sizes:
-            work = 2 * (n - 1) / n * nbytes * 8 / 1e9
-            cell = make_cell(lookup(per_n[n], name, factories, name), None, work, link_gbps)
+            work = 2 * (n - 1) / n * nbytes * 8 / 1e9  # fp32-equivalent bits for the int8 rows too
+            seconds = lookup(per_n[n], name, factories, transport)
+            cell = make_cell(seconds, None, work, link_gbps)
             row += list(fmt(cell))
-            targets.append(verdict(f"shaped ring over {name} within 10% of the link, n={n}", cell,
-                                   lambda c: abs(c.ratio - 1) <= 0.10, "x link"))
+            if name.endswith(INT8):
+                speedup = speedup_cell(seconds, lookup(per_n[n], transport, factories, transport))
+                row.append(fmt(speedup)[1])
+                int8_targets.append(verdict(f"int8 ring over {transport} under {rate} shaping >= 3.5x faster than "
+                                            f"the fp32 ring, n={n}", speedup, lambda c: c.ratio >= 3.5,
+                                            "x fp32 ring"))
+            else:
+                row.append("-")
+                targets.append(verdict(f"shaped ring over {name} within 10% of the link, n={n}", cell,
+                                       lambda c: abs(c.ratio - 1) <= 0.10, "x link"))
         rows.append(row)
-    return (f"### Ring all-reduce, {size_label(nbytes)} fp32, every link shaped to {rate} (reps {opts.reps})\n\n"
-            + table(header, rows) + f"\n\n\"p2p\": one {size_label(nbytes)} message over one shaped link, "
-            "for reference.")
+    targets.extend(int8_targets)
+    return (f"### Ring all-reduce, {size_label(nbytes)} fp32 input, every link shaped to {rate} (reps {opts.reps})"
+            "\n\n" + table(header, rows) + f"\n\n\"p2p\": one {size_label(nbytes)} message over one shaped link, "
+            "for reference. " + INT8_NOTE)
 
 
 def verdict(what: str, cell: Cell | str, ok: Callable[[Cell], bool], unit: str) -> str:
