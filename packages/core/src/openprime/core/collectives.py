@@ -38,11 +38,10 @@ class _PayloadPool:
         self._codec = codec
         self._free: dict[tuple[int, int], list[torch.Tensor]] = {}
 
-    def get(self, numel: int, parity: int) -> list[torch.Tensor]:
-        key = (numel, parity)
-        if key not in self._free:
-            self._free[key] = self._codec.payload_like(numel)
-        return self._free[key]
+    def get(self, numel: int, key: int) -> list[torch.Tensor]:
+        if (numel, key) not in self._free:
+            self._free[(numel, key)] = self._codec.payload_like(numel)
+        return self._free[(numel, key)]
 
 
 def ring_all_reduce(
@@ -65,54 +64,83 @@ def ring_all_reduce(
         raise ValueError(
             f"ring_all_reduce takes a contiguous 1-D float32 tensor, got {tensor.dtype} {tuple(tensor.shape)}"
         )
-    n, r = transport.world_size, transport.rank
+    n, _r = transport.world_size, transport.rank
     if n == 1:
         return
-    right, left = (r + 1) % n, (r - 1) % n
     work = tensor.clone() if restore_on_failure else tensor
-    pool = _PayloadPool(codec)
-    # n chunks (sizes differ by at most one element), each cut into segments that travel as separate
-    # messages: while segment j is on the wire, segment j + 1 is being encoded, and a received segment is
-    # decoded while the next one arrives (the double buffering of INTELLECT-1's int8 all-reduce).
-    segments = [list(torch.split(chunk, segment_numel)) for chunk in torch.tensor_split(work, n)]
-
-    # Reduce-scatter: at step s send chunk (r - s), receive chunk (r - s - 1) and add it in.
-    for s in range(n - 1):
-        send_i, recv_i = (r - s) % n, (r - s - 1) % n
-        incoming = [pool.get(seg.numel(), j) for j, seg in enumerate(segments[recv_i])]
-        receiving = [transport.irecv(left, tag, p, deadline=deadline) for p in incoming]
-        sending = [transport.isend(right, tag, codec.encode(seg), deadline=deadline) for seg in segments[send_i]]
-        for seg, payload, handle in zip(segments[recv_i], incoming, receiving, strict=True):
-            handle.wait()
-            codec.decode_add_(seg, payload)
-        for handle in sending:
-            handle.wait()
-
-    # Now rank r owns the finished chunk (r + 1). Encode it once; decode it here too, so that the
-    # owner holds exactly what the others will decode from the same bytes.
-    own = (r + 1) % n
-    payloads = [codec.encode(seg) for seg in segments[own]]
-    for seg, payload in zip(segments[own], payloads, strict=True):
-        codec.decode_(seg, payload)
-
-    # All-gather: at step s forward the payloads of chunk (r + 1 - s), receive those of chunk (r - s).
-    # fp32 is received straight into the result; a coded payload alternates between two buffer sets,
-    # one being forwarded while the other fills.
-    for s in range(n - 1):
-        recv_i = (r - s) % n
-        incoming = [codec.receive_into(seg) or pool.get(seg.numel(), len(segments[recv_i]) * (s % 2 + 1) + j)
-                    for j, seg in enumerate(segments[recv_i])]
-        receiving = [transport.irecv(left, tag, p, deadline=deadline) for p in incoming]
-        sending = [transport.isend(right, tag, p, deadline=deadline) for p in payloads]
-        for seg, payload, handle in zip(segments[recv_i], incoming, receiving, strict=True):
-            handle.wait()
-            codec.decode_(seg, payload)
-        for handle in sending:
-            handle.wait()
-        payloads = incoming
-
+    _Ring(transport, codec, tag, deadline, work, segment_numel).run()
     if work is not tensor:
         tensor.copy_(work)
+
+
+class _Ring:
+    """One ring all-reduce, pipelined segment by segment.
+
+    The n chunks are cut into segments that travel as separate messages. A segment moves on as soon as
+    it can: in the reduce-scatter, segment j of the chunk received at step s is added in, encoded and
+    sent on as segment j of step s + 1 while segment j + 1 is still arriving; at the last step the owner
+    encodes its finished chunk the same way and its segments start the all-gather at once; in the
+    all-gather each received segment is forwarded unchanged the moment it arrives. Receives are posted
+    one step ahead, so a message finds its buffer waiting.
+    """
+
+    def __init__(self, transport: Transport, codec: Codec, tag: int, deadline: float, work: torch.Tensor,
+                 segment_numel: int) -> None:
+        self.t, self.codec, self.tag, self.deadline = transport, codec, tag, deadline
+        self.n, self.r = transport.world_size, transport.rank
+        self.right, self.left = (self.r + 1) % self.n, (self.r - 1) % self.n
+        self.segments = [list(torch.split(chunk, segment_numel)) for chunk in torch.tensor_split(work, self.n)]
+        self.pool = _PayloadPool(codec)
+        self.rs_sends: list[list] = [[] for _ in range(self.n)]  # reduce-scatter sends, by step
+        self.ag_sends: list = []
+
+    def _post(self, chunk: int, key: int, *, into_result: bool) -> list[tuple[list[torch.Tensor], object]]:
+        posted = []
+        for j, seg in enumerate(self.segments[chunk]):
+            payload = (self.codec.receive_into(seg) if into_result else None) or self.pool.get(seg.numel(), key + j)
+            posted.append((payload, self.t.irecv(self.left, self.tag, payload, deadline=self.deadline)))
+        return posted
+
+    def _send(self, payload: list[torch.Tensor], into: list) -> None:
+        into.append(self.t.isend(self.right, self.tag, payload, deadline=self.deadline))
+
+    def _post_gather(self, s: int) -> list[tuple[list[torch.Tensor], object]]:
+        """Receives of all-gather step s: chunk (r - s), which left this rank at reduce-scatter step s."""
+        chunk = (self.r - s) % self.n
+        if self.codec.receive_into(self.segments[chunk][0]) is not None:
+            for handle in self.rs_sends[s]:  # an fp32 result is received into memory that send may still read
+                handle.wait()
+        return self._post(chunk, 1_000_000 * (s + 2), into_result=True)
+
+    def run(self) -> None:
+        n, r = self.n, self.r
+        # Reduce-scatter: step s sends chunk (r - s) and receives chunk (r - s - 1), adding it in.
+        incoming = self._post((r - 1) % n, 0, into_result=False)
+        for seg in self.segments[r]:
+            self._send(self.codec.encode(seg), self.rs_sends[0])
+        for s in range(n - 1):
+            last = s == n - 2
+            following = self._post_gather(0) if last else self._post((r - s - 2) % n, 1_000_000 * ((s + 1) % 2),
+                                                                       into_result=False)
+            for seg, (payload, handle) in zip(self.segments[(r - s - 1) % n], incoming, strict=True):
+                handle.wait()
+                self.codec.decode_add_(seg, payload)
+                out = self.codec.encode(seg)
+                if last:  # rank r owns this finished chunk: encode it once and hold exactly what others decode
+                    self.codec.decode_(seg, out)
+                self._send(out, self.ag_sends if last else self.rs_sends[s + 1])
+            incoming = following
+        # All-gather: step s receives chunk (r - s) and forwards each segment unchanged at once.
+        for s in range(n - 1):
+            following = self._post_gather(s + 1) if s < n - 2 else []
+            for seg, (payload, handle) in zip(self.segments[(r - s) % n], incoming, strict=True):
+                handle.wait()
+                self.codec.decode_(seg, payload)
+                if s < n - 2:
+                    self._send(payload, self.ag_sends)
+            incoming = following
+        for handle in [h for step in self.rs_sends for h in step] + self.ag_sends:
+            handle.wait()
 
 
 def _bytes_tensor(data: bytes) -> torch.Tensor:

@@ -46,6 +46,7 @@ class OuterStepResult:
     num_members: int
     num_tries: int
     skipped: bool
+    received_state: bool  # this node was new: it took the global state and step counters from a donor
     state_hash: str
     bytes_sent: int
     bytes_received: int
@@ -71,6 +72,7 @@ class DiLoCo:
         # Reported at each barrier for the state after the previous outer step (-1: the initial weights),
         # so the coordinator compares replicas; a joiner has nothing to report until it got the state.
         self._last_hash: str | None = None if joining else self.state.state_hash()
+        self._received_state = False
 
     def rejoin(self, membership: Membership) -> None:
         """Continue under a new membership as a newcomer (after an eviction): the next sync brings the state."""
@@ -91,6 +93,7 @@ class DiLoCo:
         """Run one outer step now. With `contribute=False` this node sends a zero pseudo-gradient."""
         start = time.monotonic()
         step, attempt = self.num_outer_steps_done, 0
+        self._received_state = False
         sent = received = 0
         while True:
             rnd = self.membership.begin(step, attempt, state_hash=self._last_hash, hash_step=step - 1)
@@ -148,6 +151,7 @@ class DiLoCo:
             t.recv(rnd.donor_rank, TAG_STATE, buffers, deadline=deadline)
             self.num_inner_steps_done, self.num_outer_steps_done = (int(c) for c in counters)
             self.state.copy_to_params()
+            self._received_state = True
             self._last_hash = self.state.state_hash()
 
     def _verify(self, t: Transport) -> str:
@@ -173,6 +177,7 @@ class DiLoCo:
     def _result(self, step: int, num_contributors: int, num_members: int, num_tries: int, skipped: bool,
                 sent: int, received: int, all_reduce_s: float, start: float) -> OuterStepResult:
         return OuterStepResult(outer_step=step + 1, num_contributors=num_contributors, num_members=num_members,
-                               num_tries=num_tries, skipped=skipped, state_hash=self.state.state_hash(),
+                               num_tries=num_tries, skipped=skipped, received_state=self._received_state,
+                               state_hash=self.state.state_hash(),
                                bytes_sent=sent, bytes_received=received, all_reduce_s=all_reduce_s,
                                total_s=time.monotonic() - start)

@@ -23,6 +23,8 @@ class MeshConfig:
                                   validator=positive_float())
     num_all_reduce_tries: int = field(3, doc="tries of one outer step's all-reduce before it is skipped",
                                       validator=positive_int())
+    num_join_tries: int = field(5, doc="registrations a newcomer evicted while waiting may try",
+                                validator=positive_int())
     min_nodes: int = field(1, doc="the first view forms once this many nodes have joined", validator=positive_int())
     max_nodes: int = field(64, doc="data is split into this many shards; a node takes a free one",
                            validator=positive_int())

@@ -124,6 +124,10 @@ class ElasticDeviceMesh(Membership):
         self._epoch = view.epoch
 
     def commit(self, step: int, attempt: int, ok: bool) -> bool:
+        if not ok and self._transport is not None:
+            # Close this try's group now: neighbours still waiting on this node fail at once instead of at
+            # their deadline (the next try builds a new group anyway).
+            self._transport.close()
         ok = self._all_local(ok)
         decision = self.client.commit(step, attempt, ok) if self.client is not None else None
         applied = bool(self._share(decision))

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import pathlib
 import time
+import warnings
 
 import attrs
 import torch
 
-from openprime.core.errors import ConfigError
+from openprime.core.errors import ConfigError, OpenPrimeError
 from openprime.diloco import DiLoCo, OuterStepResult
 from openprime.mesh import ElasticDeviceMesh, Evicted, MeshClient
 from openprime.train.config import RunConfig
@@ -62,12 +63,32 @@ def join_mesh(cfg: RunConfig, coordinator: str) -> ElasticDeviceMesh:
                              probe_timeout_s=cfg.timeouts.op_s)
 
 
-def catch_up(diloco: DiLoCo, sched: torch.optim.lr_scheduler.LRScheduler) -> OuterStepResult:
-    """A joiner waits for the next outer step, receives the global state, and resumes where the run is."""
-    result = diloco.sync(contribute=False)
-    for _ in range(diloco.num_inner_steps_done - sched.last_epoch):
-        sched.step()
-    return result
+def catch_up(cfg: RunConfig, coordinator: str, diloco: DiLoCo, mesh: ElasticDeviceMesh, *,
+             rejoin: bool) -> tuple[ElasticDeviceMesh, OuterStepResult]:
+    """Wait for the next outer step as a newcomer and take the global state from a live peer.
+
+    After an eviction (`rejoin`) the node first registers again as a new node. A newcomer evicted while
+    it waits (frozen, or the coordinator restarted and does not know it) registers again, up to
+    `mesh.num_join_tries` times.
+    """
+    for attempt in range(cfg.mesh.num_join_tries):
+        if rejoin or attempt:
+            mesh.close()
+            mesh = join_mesh(cfg, coordinator)
+            diloco.rejoin(mesh)
+        try:
+            return mesh, diloco.sync(contribute=False)
+        except Evicted as e:
+            say(f"[{mesh.client.node}] evicted while waiting to be admitted ({e}); registering again")
+    raise OpenPrimeError(f"evicted {cfg.mesh.num_join_tries} times while waiting to be admitted; giving up")
+
+
+def follow_schedule(sched: torch.optim.lr_scheduler.LRScheduler, num_inner_steps_done: int) -> None:
+    """After taking the state from a donor, move the learning-rate schedule to where the run is."""
+    with warnings.catch_warnings():  # stepping a scheduler before its optimizer is the point here
+        warnings.simplefilter("ignore", UserWarning)
+        for _ in range(num_inner_steps_done - sched.last_epoch):
+            sched.step()
 
 
 def train_step(model: Llama, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
@@ -101,7 +122,9 @@ def run_node(cfg: RunConfig, *, node: int, coordinator: str, run_dir: pathlib.Pa
         metrics.write("start", node_id=mesh.client.node, slot=mesh.client.slot, joining=joining,
                       state_hash=diloco.state.state_hash())
         if joining:
-            _report_outer(metrics, node, diloco.num_inner_steps_done, catch_up(diloco, sched))
+            mesh, result = catch_up(cfg, coordinator, diloco, mesh, rejoin=False)
+            follow_schedule(sched, diloco.num_inner_steps_done)
+            _report_outer(metrics, node, diloco.num_inner_steps_done, result)
         batches = build_batches(cfg, mesh.client.slot)
         tokens_per_step, sent = cfg.train.batch_size * cfg.train.seq_len, 0
         losses, outer, window_start = [], None, time.monotonic()
@@ -114,13 +137,12 @@ def run_node(cfg: RunConfig, *, node: int, coordinator: str, run_dir: pathlib.Pa
                 result = diloco.step()
             except Evicted as e:  # frozen or cut off: come back as a new node with the others' state
                 say(f"[node {node}] {e}")
-                mesh = join_mesh(cfg, coordinator)
-                diloco.rejoin(mesh)
-                _report_outer(metrics, node, diloco.num_inner_steps_done, catch_up(diloco, sched))
+                mesh, result = catch_up(cfg, coordinator, diloco, mesh, rejoin=True)
                 batches = build_batches(cfg, mesh.client.slot)
                 metrics.write("rejoined", node_id=mesh.client.node, slot=mesh.client.slot,
                               step=diloco.num_inner_steps_done)
-                continue
+            if result is not None and result.received_state:  # admitted late: where the run is
+                follow_schedule(sched, diloco.num_inner_steps_done)
             if result is not None:
                 outer, sent = result, sent + result.bytes_sent
                 _report_outer(metrics, node, step, result)
