@@ -90,8 +90,8 @@ def test_kill_during_inner_steps(tmp_path):
 
 
 def test_kill_during_the_all_reduce(tmp_path):
-    # A slow link (10 Mbit/s) makes each all-reduce of the debug model last seconds: the kill lands inside one.
-    launcher = _start(tmp_path, 3, "transport.kind=tcp", "transport.options.shaping.rate_bps=1e7",
+    # A slow link (25 Mbit/s) makes each all-reduce of the debug model last seconds: the kill lands inside one.
+    launcher = _start(tmp_path, 3, "transport.kind=tcp", "transport.options.shaping.rate_bps=2.5e7",
                       "transport.options.num_connections=1")
     _wait_for(launcher.run_dir, _step_done(2, 3 * H))
     time.sleep(1.0)
