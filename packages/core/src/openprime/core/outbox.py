@@ -88,6 +88,30 @@ def plan_chunks(views: Sequence[torch.Tensor], *, tag: int, seq: int,
     return chunks
 
 
+def deal_message(writers: Sequence[ConnectionWriter], turn: int, views: Sequence[torch.Tensor], *, peer: int,
+                 tag: int, seq: int, chunk_bytes: int, deadline: float,
+                 on_done: Callable[[int], None]) -> tuple[SendHandle, int]:
+    """Cut a message into chunks and deal them round-robin over a peer's writers, starting at `turn`.
+
+    Returns the message's handle (calling `on_done(framed bytes)` once every chunk is written) and the
+    next turn. The caller holds the lock that orders its (peer, tag) sequence numbers.
+    """
+    planned = plan_chunks(views, tag=tag, seq=seq, chunk_bytes=chunk_bytes)
+    framed = sum(len(h) + p.numel() for h, p in planned)
+    handle = SendHandle(peer, len(planned), deadline, on_done=lambda: on_done(framed))
+    queued_at = now()
+    for j, (header, payload) in enumerate(planned):
+        writers[(turn + j) % len(writers)].put(
+            Chunk(header=header, payload=payload, handle=handle, queued_at=queued_at, deadline=deadline))
+    return handle, turn + len(planned)
+
+
+def framed_bytes(sizes: Sequence[int], *, tag: int, chunk_bytes: int) -> int:
+    """Bytes on the wire for a message with buffer `sizes`: its chunks' headers plus the payload."""
+    views = [torch.empty(s, dtype=torch.uint8) for s in sizes]
+    return sum(len(h) + p.numel() for h, p in plan_chunks(views, tag=tag, seq=0, chunk_bytes=chunk_bytes))
+
+
 class ConnectionWriter:
     """A thread writing queued chunks, in order, to one connection through the peer's shaped link."""
 

@@ -39,7 +39,7 @@ from openprime.core.distributed import connect_store
 from openprime.core.errors import OpenPrimeError, PeerFailure
 from openprime.core.frames import encode_control
 from openprime.core.mailbox import Mailbox
-from openprime.core.outbox import Chunk, ConnectionWriter, SendHandle, now, plan_chunks
+from openprime.core.outbox import Chunk, ConnectionWriter, deal_message, framed_bytes, now
 from openprime.core.shaping import LinkShaper
 from openprime.core.streams import StreamTransportConfig
 from openprime.core.transport import Handle, Rendezvous, Transport, as_bytes, remaining
@@ -142,20 +142,13 @@ class ZmqTransport(Transport):
                 raise PeerFailure(peer, "connection lost or transport closed")
             seq = link.next_seq[tag]
             link.next_seq[tag] = seq + 1
-            planned = plan_chunks(views, tag=tag, seq=seq, chunk_bytes=self.config.effective_chunk_bytes)
-            framed = sum(len(h) + p.numel() for h, p in planned)
-            handle = SendHandle(peer, len(planned), deadline, on_done=lambda: self._count(sent=framed))
-            queued_at = now()
-            for j, (header, payload) in enumerate(planned):
-                writer = link.writers[(link.turn + j) % len(link.writers)]
-                writer.put(Chunk(header=header, payload=payload, handle=handle, queued_at=queued_at, deadline=deadline))
-            link.turn += len(planned)
+            handle, link.turn = deal_message(link.writers, link.turn, views, peer=peer, tag=tag, seq=seq,
+                                             chunk_bytes=self.config.effective_chunk_bytes, deadline=deadline,
+                                             on_done=lambda framed: self._count(sent=framed))
         return handle
 
     def frame_bytes(self, tag: int, sizes: Sequence[int]) -> int:
-        views = [torch.empty(s, dtype=torch.uint8) for s in sizes]
-        return sum(len(h) + p.numel() for h, p in plan_chunks(
-            views, tag=tag, seq=0, chunk_bytes=self.config.effective_chunk_bytes))
+        return framed_bytes(sizes, tag=tag, chunk_bytes=self.config.effective_chunk_bytes)
 
     def _connect_early(self, peer: int) -> None:
         try:
