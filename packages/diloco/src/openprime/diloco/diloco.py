@@ -170,10 +170,6 @@ class DiLoCo:
             )
         return mine
 
-    def verify_replicas(self, transport: Transport) -> str:
-        """Compare the hash of the global state across the members of `transport`'s group."""
-        return self._verify(transport)
-
     def _result(self, step: int, num_contributors: int, num_members: int, num_tries: int, skipped: bool,
                 sent: int, received: int, all_reduce_s: float, start: float) -> OuterStepResult:
         return OuterStepResult(outer_step=step + 1, num_contributors=num_contributors, num_members=num_members,

@@ -315,8 +315,9 @@ class Coordinator:
         if len(current) < 3 or not self.bandwidth:
             return current
         matrix = np.array([[self.bandwidth.get((a, b), 0.0) for b in current] for a in current])
-        best = [current[i] for i in best_ring(matrix)]
-        gain = ring_bottleneck(matrix, best_ring(matrix)) / max(ring_bottleneck(matrix, range(len(current))), 1e-9)
+        order = best_ring(matrix)
+        best = [current[i] for i in order]
+        gain = ring_bottleneck(matrix, order) / max(ring_bottleneck(matrix, range(len(current))), 1e-9)
         if gain >= self.config.reorder_gain:
             log.info("ring re-ordered for bandwidth (slowest link %.1fx faster): %s", gain, best)
             return best
