@@ -1,0 +1,135 @@
+"""Tests of the Hugging Face export: an exported debug model loads in transformers with the same logits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers  # a test requirement (requirements.txt); export.py itself needs only safetensors
+
+from openprime.core.errors import ConfigError
+from openprime.train import export
+from openprime.train.export import hf_config, to_hf_state_dict, write_hf_checkpoint
+from openprime.train.model import FLAVORS, Llama
+
+DEBUG = FLAVORS["debug"]
+LOGIT_ATOL = 1e-4
+
+
+def _perturbed_debug_model() -> Llama:
+    """The debug model with random norm gains, so that a dropped or misplaced norm changes the logits,
+    and wq, wk scaled up 10x: at init (std 0.02) attention is nearly uniform and RoPE barely matters."""
+    torch.manual_seed(0)
+    model = Llama(DEBUG)
+    model.init_weights(seed=0)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.5 * torch.randn(param.shape, generator=generator))
+            elif name.endswith(("attention.wq.weight", "attention.wk.weight")):
+                param.mul_(10.0)
+    return model.eval()
+
+
+def _tokens() -> torch.Tensor:
+    generator = torch.Generator().manual_seed(2)
+    return torch.randint(0, DEBUG.vocab_size, (2, 100), generator=generator)
+
+
+def _hf_logits(out_dir, tokens: torch.Tensor) -> torch.Tensor:
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf_model(input_ids=tokens).logits
+
+
+@pytest.fixture(scope="module")
+def model() -> Llama:
+    return _perturbed_debug_model()
+
+
+@pytest.fixture(scope="module")
+def reference_logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(_tokens())
+
+
+def test_exported_model_gives_the_same_logits_in_transformers(model, reference_logits, tmp_path):
+    out_dir = tmp_path / "hf"
+    write_hf_checkpoint(model.state_dict(), DEBUG, out_dir)
+    assert sorted(p.name for p in out_dir.iterdir()) == ["config.json", "model.safetensors"]
+    assert not [p for p in tmp_path.iterdir() if p.name != "hf"]  # the staging directory is gone
+    hf_logits = _hf_logits(out_dir, _tokens())
+    max_diff = (hf_logits - reference_logits).abs().max().item()
+    print(f"max abs logit difference openprime vs transformers: {max_diff:.3g}")
+    assert hf_logits.shape == reference_logits.shape
+    assert max_diff < LOGIT_ATOL
+
+
+def test_config_json_matches_the_model_config(model, tmp_path):
+    write_hf_checkpoint(model.state_dict(), DEBUG, tmp_path / "hf", dtype=torch.bfloat16)
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert written == hf_config(DEBUG, torch.bfloat16)
+    assert written["intermediate_size"] == 384 and written["num_key_value_heads"] == 2
+    loaded = transformers.AutoConfig.from_pretrained(tmp_path / "hf")
+    assert loaded.rms_norm_eps == DEBUG.norm_eps
+    assert loaded.max_position_embeddings == DEBUG.max_seq_len
+    assert not loaded.tie_word_embeddings
+
+
+def test_rope_permutation_is_needed(model, reference_logits, tmp_path, monkeypatch):
+    # Exporting wq / wk unpermuted loads fine but rotates the wrong channel pairs: the logits differ.
+    monkeypatch.setattr(export, "_rope_to_halves", lambda weight, num_heads, head_dim: weight)
+    write_hf_checkpoint(model.state_dict(), DEBUG, tmp_path / "hf")
+    max_diff = (_hf_logits(tmp_path / "hf", _tokens()) - reference_logits).abs().max().item()
+    print(f"max abs logit difference without the RoPE permutation: {max_diff:.3g}")
+    assert max_diff > 1000 * LOGIT_ATOL
+
+
+def test_rope_permutation_takes_even_rows_then_odd_rows_per_head():
+    rows = torch.arange(2 * 6, dtype=torch.float32)[:, None]  # 2 heads of dim 6, one input column
+    permuted = export._rope_to_halves(rows, num_heads=2, head_dim=6)
+    assert permuted[:, 0].tolist() == [0, 2, 4, 1, 3, 5, 6, 8, 10, 7, 9, 11]
+
+
+def test_wq_and_wk_are_permuted_and_the_rest_only_renamed(model):
+    state_dict = model.state_dict()
+    hf = to_hf_state_dict(state_dict, DEBUG)
+    assert len(hf) == len(state_dict)
+    assert torch.equal(hf["lm_head.weight"], state_dict["output.weight"])
+    assert torch.equal(hf["model.layers.3.mlp.up_proj.weight"], state_dict["layers.3.feed_forward.w3.weight"])
+    assert torch.equal(hf["model.layers.0.self_attn.v_proj.weight"], state_dict["layers.0.attention.wv.weight"])
+    wk = state_dict["layers.0.attention.wk.weight"]
+    assert not torch.equal(hf["model.layers.0.self_attn.k_proj.weight"], wk)
+    assert torch.equal(hf["model.layers.0.self_attn.k_proj.weight"][DEBUG.head_dim // 2], wk[1])
+
+
+def test_mismatched_state_dict_is_refused_naming_the_tensor_and_both_shapes(model):
+    state_dict = dict(model.state_dict())
+    state_dict["layers.1.attention.wk.weight"] = torch.zeros(32, 128)
+    with pytest.raises(ConfigError, match=r"'layers\.1\.attention\.wk\.weight' has shape \(32, 128\) .*"
+                                          r"expects \(64, 128\)"):
+        to_hf_state_dict(state_dict, DEBUG)
+    del state_dict["layers.1.attention.wk.weight"]
+    with pytest.raises(ConfigError, match=r"no tensor 'layers\.1\.attention\.wk\.weight' \(expected shape \(64, 128\)"):
+        to_hf_state_dict(state_dict, DEBUG)
+    extra = {**model.state_dict(), "_orig_mod.norm.weight": torch.ones(128)}
+    with pytest.raises(ConfigError, match=r"'_orig_mod\.norm\.weight' of shape \(128,\) that Llama\(cfg\) does not"):
+        to_hf_state_dict(extra, DEBUG)
+
+
+def test_non_empty_out_dir_is_refused_and_left_alone(model, tmp_path):
+    out_dir = tmp_path / "hf"
+    out_dir.mkdir()
+    (out_dir / "keep.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="already exists and is not an empty directory"):
+        write_hf_checkpoint(model.state_dict(), DEBUG, out_dir)
+    assert [p.name for p in out_dir.iterdir()] == ["keep.txt"]
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]
+
+
+def test_empty_out_dir_is_filled(model, tmp_path):
+    (tmp_path / "hf").mkdir()
+    write_hf_checkpoint(model.state_dict(), DEBUG, tmp_path / "hf")
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors"]
