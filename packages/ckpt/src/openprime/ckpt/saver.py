@@ -1,0 +1,108 @@
+"""Asynchronous checkpointing: training waits for a host-memory snapshot, not for the disk (paper, section 2.3).
+
+`Checkpointer.save(step, state)` first waits for the previous save to finish (so at most one write is
+in flight and snapshots never pile up), copies the state to host memory (the blocking part), and
+hands the copy to a writer thread that writes it with `openprime.ckpt.store.write_part` and then
+prunes old checkpoints. A failed write (a full disk, a permission error) is logged with its cause and
+counted; the previous checkpoints stay intact and training goes on. A process killed during a write
+leaves only a temporary directory, which the next successful save of that part removes.
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+from torch.distributed.checkpoint.api import CheckpointException
+
+from openprime.ckpt.config import SaveMode
+from openprime.ckpt.state import snapshot
+from openprime.ckpt.store import prune, write_part
+
+log = logging.getLogger("openprime.ckpt")
+
+
+@attrs.frozen
+class SaveResult:
+    """What one save did: how long training was blocked, and how long the whole save took."""
+
+    step: int
+    path: pathlib.Path | None  # None when the write failed
+    blocking_s: float
+    total_s: float
+    error: str = ""
+
+
+class Checkpointer:
+    """Saves the parts of one node (one `part` name) under a checkpoint root, synchronously or not."""
+
+    def __init__(self, root: pathlib.Path, *, part: str, mode: SaveMode, num_keep: int) -> None:
+        if mode is SaveMode.OFF:
+            raise ValueError("a Checkpointer with SaveMode.OFF would save nothing; do not build one")
+        self.root, self.part, self.mode, self.num_keep = root, part, mode, num_keep
+        self.results: list[SaveResult] = []
+        self._thread: threading.Thread | None = None
+
+    @property
+    def num_failed(self) -> int:
+        return sum(1 for r in self.results if r.path is None)
+
+    def save(self, step: int, state: Mapping[str, Any], *, parts: Sequence[str]) -> float:
+        """Checkpoint `state` as step `step`; returns the seconds training was blocked.
+
+        `parts` names every part this step needs (the nodes of the outer step), so that a resume can tell
+        a complete step from one that some node did not finish.
+        """
+        start = time.monotonic()
+        self.wait()
+        host = snapshot(state)
+        blocking_s = time.monotonic() - start
+        if self.mode is SaveMode.SYNC:
+            self._write(step, host, tuple(parts), start, blocking_s)
+            return time.monotonic() - start
+        self._thread = threading.Thread(target=self._write, args=(step, host, tuple(parts), start, blocking_s),
+                                        name=f"ckpt-{self.part}-{step}", daemon=True)
+        self._thread.start()
+        return blocking_s
+
+    def wait(self) -> SaveResult | None:
+        """Wait for the save in flight, if any; returns the newest result."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        return self.results[-1] if self.results else None
+
+    def close(self) -> None:
+        self.wait()
+
+    def _write(self, step: int, host: Mapping[str, Any], parts: tuple[str, ...], start: float,
+               blocking_s: float) -> None:
+        try:
+            path = write_part(self.root, step, self.part, host, parts=parts)
+        except (Exception, CheckpointException) as e:  # the run must go on; the previous checkpoint is untouched
+            cause = _cause(e)
+            log.error("checkpoint of step %d (%s) under %s FAILED: %s (is the disk full?); the previous checkpoint "
+                      "is intact and training continues", step, self.part, self.root, cause)
+            self.results.append(SaveResult(step=step, path=None, blocking_s=blocking_s,
+                                           total_s=time.monotonic() - start, error=cause))
+            return
+        try:
+            prune(self.root, self.part, num_keep=self.num_keep)
+        except OSError as e:
+            log.warning("could not prune old checkpoints under %s: %s", self.root, e)
+        self.results.append(SaveResult(step=step, path=path, blocking_s=blocking_s, total_s=time.monotonic() - start))
+        log.info("checkpoint of step %d saved to %s in %.2fs (training blocked %.2fs)", step, path,
+                 self.results[-1].total_s, blocking_s)
+
+
+def _cause(e: BaseException) -> str:
+    """`Type: message` of the error that failed a save (DCP wraps the writer's error in its own)."""
+    if isinstance(e, CheckpointException) and e.failures:
+        inner = next(iter(e.failures.values()))  # (exception, traceback) by rank
+        e = inner[0] if isinstance(inner, tuple) else getattr(inner, "exc", inner)
+    return f"{type(e).__name__}: {e}"

@@ -1,0 +1,239 @@
+"""Checkpoints on disk: written atomically, verified before use, the newest complete one found, old ones pruned.
+
+Layout of a checkpoint root (a run's `checkpoints/`):
+
+    step-00000040/            the state after inner step 40 (an outer-step boundary)
+        slot-0/               one part: what one node (or one local rank) needs to continue
+            .metadata, __0_0.distcp    tensors, by torch.distributed.checkpoint (sharded under FSDP2)
+            state.json                 everything else, as JSON (openprime.ckpt.state)
+            MANIFEST.json              size and SHA-256 of every file (openprime.ckpt.manifest)
+        slot-1/
+    step-00000060/
+
+Each part is written to `step-N/.tmp-PART-...` and renamed to `step-N/PART` once its manifest is on
+disk, so a crash mid-save leaves a temporary directory (cleaned up later) and never a part that looks
+complete. Each part names the parts its step needs (the nodes of that outer step); a step is complete
+when all of them are present and verify. Loading never unpickles: DCP's tensor files are read with
+`weights_only`, the rest is JSON.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import pathlib
+import re
+import shutil
+import uuid
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from openprime.ckpt.manifest import CorruptCheckpoint, fsync_path, verify_manifest, write_manifest
+from openprime.ckpt.state import flatten, unflatten
+from openprime.core.errors import ConfigError, OpenPrimeError
+
+log = logging.getLogger("openprime.ckpt")
+STATE_FILE = "state.json"
+STEP_RE = re.compile(r"^step-(\d{8,})$")
+TMP_PREFIX = ".tmp-"
+
+
+class CheckpointNotFound(OpenPrimeError):
+    """No usable checkpoint where one was asked for."""
+
+
+class CheckpointMismatch(ConfigError):
+    """A checkpoint of a different model (or state layout) than the one loading it."""
+
+
+@attrs.frozen
+class Checkpoint:
+    """One complete step of a checkpoint root."""
+
+    step: int
+    path: pathlib.Path
+    parts: tuple[str, ...]
+
+    def part(self, name: str) -> pathlib.Path:
+        return self.path / name
+
+
+def step_dir(root: pathlib.Path, step: int) -> pathlib.Path:
+    return root / f"step-{step:08d}"
+
+
+def list_steps(root: pathlib.Path) -> list[int]:
+    """The steps that have a directory under `root`, oldest first (complete or not)."""
+    if not root.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in root.iterdir() if p.is_dir() and (m := STEP_RE.match(p.name)))
+
+
+@contextlib.contextmanager
+def _quiet_dcp() -> Iterator[None]:
+    with warnings.catch_warnings():
+        # DCP warns that it "assumes the intent is to save in a single process": that is the intent here.
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        yield
+
+
+def write_part(root: pathlib.Path, step: int, part: str, state: Mapping[str, Any], *,
+               parts: Sequence[str]) -> pathlib.Path:
+    """Write one part of step `step` atomically; `parts` names every part the step needs. Returns its path.
+
+    On any error (a full disk, a killed process) the temporary directory is removed when possible and
+    nothing under the final name changes; the error propagates to the caller.
+    """
+    if part not in parts:
+        raise ValueError(f"part {part!r} is not among the step's parts {list(parts)}")
+    target = step_dir(root, step)
+    target.mkdir(parents=True, exist_ok=True)
+    tmp = target / f"{TMP_PREFIX}{part}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tensors, skeleton = flatten(state)
+    try:
+        tmp.mkdir()
+        with _quiet_dcp():
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True, thread_count=1), no_dist=True)
+        meta = {"step": step, "part": part, "parts": list(parts), "state": skeleton}
+        with open(tmp / STATE_FILE, "w") as f:
+            json.dump(meta, f)
+            f.flush()
+            os.fsync(f.fileno())
+        write_manifest(tmp)
+        fsync_path(tmp)
+        final = target / part
+        if final.exists():  # a save of the same step again (after a resume): replace it whole
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        fsync_path(target)
+        return final
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _metadata(path: pathlib.Path) -> dict[str, TensorStorageMetadata]:
+    entries = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    return {k: v for k, v in entries.items() if isinstance(v, TensorStorageMetadata)}
+
+
+def check_compatible(path: pathlib.Path, expected: Mapping[str, Any]) -> None:
+    """Refuse a part whose tensors differ from `expected` (a nested state of the same layout).
+
+    Only the tensors in `expected` are compared, e.g. `{"model": model.state_dict()}`: the first one
+    missing, or of another shape or dtype, is named in the error with both shapes.
+    """
+    saved = _metadata(path)
+    wanted, _ = flatten(expected)
+    for name, tensor in wanted.items():
+        if name not in saved:
+            raise CheckpointMismatch(f"checkpoint {path} has no tensor {name!r} (shape {tuple(tensor.shape)} here): "
+                                     f"it was saved from a different model or layout")
+        meta = saved[name]
+        if tuple(meta.size) != tuple(tensor.shape) or meta.properties.dtype != tensor.dtype:
+            raise CheckpointMismatch(
+                f"checkpoint {path} does not fit this model: tensor {name!r} is {tuple(meta.size)} "
+                f"{meta.properties.dtype} in the checkpoint but {tuple(tensor.shape)} {tensor.dtype} here; "
+                f"resume with the recipe (model config) that saved it")
+    prefixes = {name.split("/", 1)[0] for name in wanted}
+    extra = sorted(n for n in saved if n.split("/", 1)[0] in prefixes and n not in wanted)
+    if extra:
+        raise CheckpointMismatch(f"checkpoint {path} has tensor {extra[0]!r} that this model does not have "
+                                 f"(and {len(extra) - 1} more): it was saved from a different model")
+
+
+def read_part(path: pathlib.Path, *, verify: bool = True) -> dict[str, Any]:
+    """Load one part into fresh host tensors: the nested state as it was saved (tuples as lists).
+
+    With `verify`, every file is first checked against the manifest (CorruptCheckpoint otherwise).
+    """
+    if not path.is_dir():
+        raise CheckpointNotFound(f"no checkpoint at {path}")
+    if verify:
+        verify_manifest(path)
+    try:
+        meta = json.loads((path / STATE_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpoint(path, f"{STATE_FILE} is unreadable: {e}") from None
+    tensors = {name: torch.empty(tuple(m.size), dtype=m.properties.dtype) for name, m in _metadata(path).items()}
+    with _quiet_dcp():
+        dcp.load(tensors, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    try:
+        return unflatten(meta["state"], tensors)
+    except KeyError as e:
+        raise CorruptCheckpoint(path, f"{STATE_FILE} refers to tensor {e} that is not stored") from None
+
+
+def part_info(path: pathlib.Path) -> dict[str, Any]:
+    """The step, part name and sibling parts recorded in a part's state.json."""
+    meta = json.loads((path / STATE_FILE).read_text())
+    return {"step": meta["step"], "part": meta["part"], "parts": tuple(meta["parts"])}
+
+
+def verify_step(root: pathlib.Path, step: int, *, checksums: bool = True) -> Checkpoint:
+    """The step as a Checkpoint if all its parts are present and verify; CorruptCheckpoint otherwise."""
+    path = step_dir(root, step)
+    present = sorted(p.name for p in path.iterdir() if p.is_dir() and not p.name.startswith(TMP_PREFIX))
+    if not present:
+        raise CorruptCheckpoint(path, "no part finished saving")
+    verify_manifest(path / present[0], checksums=checksums)
+    parts = part_info(path / present[0])["parts"]
+    missing = [p for p in parts if p not in present]
+    if missing:
+        raise CorruptCheckpoint(path, f"part {missing[0]} of {list(parts)} is missing (that node did not finish "
+                                      f"saving)")
+    for part in parts:
+        if part != present[0]:
+            verify_manifest(path / part, checksums=checksums)
+    return Checkpoint(step=step, path=path, parts=tuple(parts))
+
+
+def latest(root: pathlib.Path, *, checksums: bool = True) -> Checkpoint:
+    """The newest complete, verified step under `root`; older ones are tried when newer ones fail (logged)."""
+    steps = list_steps(root)
+    problems = []
+    for step in reversed(steps):
+        try:
+            found = verify_step(root, step, checksums=checksums)
+        except (CorruptCheckpoint, OSError, ValueError, KeyError) as e:
+            problems.append(str(e))
+            log.warning("skipping checkpoint step %d: %s; falling back to the previous one", step, e)
+            continue
+        return found
+    if not steps:
+        raise CheckpointNotFound(f"no checkpoint under {root} (looked for step-NNNNNNNN directories)")
+    raise CheckpointNotFound(f"no usable checkpoint under {root}: {len(steps)} step(s), none complete and intact: "
+                             + "; ".join(problems))
+
+
+def resolve(path: pathlib.Path, *, checksums: bool = True) -> Checkpoint:
+    """A checkpoint from a path: a step directory itself, or a root (its newest usable step)."""
+    if STEP_RE.match(path.name) and path.is_dir():
+        return verify_step(path.parent, int(STEP_RE.match(path.name).group(1)), checksums=checksums)
+    return latest(path, checksums=checksums)
+
+
+def prune(root: pathlib.Path, part: str, *, num_keep: int) -> None:
+    """Delete this part from all but the newest `num_keep` steps, with leftovers of this part's failed saves.
+
+    A step directory is removed once no part is left in it. Called after a save succeeded (no save of
+    this part is running then), so the newest complete checkpoint is never among those removed.
+    """
+    steps = list_steps(root)
+    old = set(steps[:-num_keep])
+    for step in steps:
+        path = step_dir(root, step)
+        for leftover in path.glob(f"{TMP_PREFIX}{part}-*"):  # no save of this part is running now
+            shutil.rmtree(leftover, ignore_errors=True)
+        if step in old:
+            shutil.rmtree(path / part, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            path.rmdir()  # fails while other parts remain: their nodes prune them

@@ -1,0 +1,138 @@
+"""Checkpoints on disk: round trip, atomicity, checksums, fallback, mismatch errors and pruning."""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+
+import pytest
+import torch
+
+from openprime.ckpt import (
+    CheckpointMismatch,
+    CheckpointNotFound,
+    CorruptCheckpoint,
+    check_compatible,
+    latest,
+    list_steps,
+    prune,
+    read_part,
+    resolve,
+    step_dir,
+    verify_manifest,
+    write_part,
+)
+from openprime.ckpt.state import flatten
+
+
+def make_state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {"layers.0.w": torch.randn(8, 4, generator=g), "norm.weight": torch.rand(4, generator=g)},
+        "optim": {"state": {"layers.0.w": {"step": torch.tensor(3.0), "exp_avg": torch.randn(8, 4, generator=g)}},
+                  "param_groups": [{"lr": 1e-3 / 3, "betas": (0.9, 0.95), "fused": None, "params": ["layers.0.w"]}]},
+        "counters": {"inner": 40 + seed, "outer": 2, "done": False},
+        "rng": torch.randint(0, 255, (16,), dtype=torch.uint8, generator=g),
+    }
+
+
+def assert_same(a, b) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert set(a) == set(b)
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_same(x, y)
+    else:
+        assert a == b and type(a) is type(b), (a, b)
+
+
+def test_round_trip_is_exact(tmp_path: pathlib.Path) -> None:
+    state = make_state(0)
+    path = write_part(tmp_path, 40, "slot-0", state, parts=["slot-0"])
+    assert path == step_dir(tmp_path, 40) / "slot-0"
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".tmp")]
+    loaded = read_part(path)
+    state["optim"]["param_groups"][0]["betas"] = [0.9, 0.95]  # tuples come back as lists
+    assert_same(state, loaded)
+    assert loaded["optim"]["param_groups"][0]["lr"] == 1e-3 / 3  # floats bit-exact through JSON
+
+
+def test_flatten_refuses_what_it_cannot_store() -> None:
+    with pytest.raises(TypeError, match="must be a string"):
+        flatten({"state": {0: torch.zeros(1)}})
+    with pytest.raises(TypeError, match="only tensors, dicts, lists"):
+        flatten({"fn": object()})
+
+
+def _flip_byte(path: pathlib.Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_corrupt_and_truncated_files_are_detected_and_latest_falls_back(tmp_path, caplog) -> None:
+    write_part(tmp_path, 20, "slot-0", make_state(1), parts=["slot-0"])
+    newest = write_part(tmp_path, 40, "slot-0", make_state(2), parts=["slot-0"])
+    data_file = next(newest.glob("*.distcp"))
+    _flip_byte(data_file, data_file.stat().st_size // 2)
+    with pytest.raises(CorruptCheckpoint, match=f"file {data_file.name} does not match its SHA-256"):
+        verify_manifest(newest)
+    with caplog.at_level(logging.WARNING, logger="openprime.ckpt"):
+        found = latest(tmp_path)
+    assert found.step == 20
+    assert "skipping checkpoint step 40" in caplog.text and data_file.name in caplog.text
+    assert_same(read_part(found.part("slot-0"))["model"], make_state(1)["model"])
+
+    with open(data_file, "r+b") as f:  # truncated
+        f.truncate(10)
+    with pytest.raises(CorruptCheckpoint, match=r"has 10 bytes, the manifest says \d+ \(truncated"):
+        read_part(newest)
+
+
+def test_a_step_missing_a_part_is_incomplete(tmp_path) -> None:
+    write_part(tmp_path, 20, "slot-0", make_state(1), parts=["slot-0", "slot-1"])
+    write_part(tmp_path, 20, "slot-1", make_state(2), parts=["slot-0", "slot-1"])
+    write_part(tmp_path, 40, "slot-0", make_state(3), parts=["slot-0", "slot-1"])  # slot-1 never finished
+    found = latest(tmp_path)
+    assert (found.step, found.parts) == (20, ("slot-0", "slot-1"))
+    with pytest.raises(CorruptCheckpoint, match="part slot-1 of .* is missing"):
+        resolve(step_dir(tmp_path, 40))
+
+
+def test_not_found_says_where_it_looked(tmp_path) -> None:
+    with pytest.raises(CheckpointNotFound, match=f"no checkpoint under {tmp_path}"):
+        latest(tmp_path)
+    (step_dir(tmp_path, 20) / ".tmp-slot-0-1-abc").mkdir(parents=True)  # a save that was killed
+    with pytest.raises(CheckpointNotFound, match="none complete and intact: .*no part finished saving"):
+        latest(tmp_path)
+
+
+def test_a_different_model_is_refused_with_the_first_mismatch(tmp_path) -> None:
+    path = write_part(tmp_path, 20, "slot-0", make_state(0), parts=["slot-0"])
+    check_compatible(path, {"model": make_state(5)["model"]})  # same shapes: fine
+    wider = {"model": {"layers.0.w": torch.zeros(8, 6), "norm.weight": torch.zeros(4)}}
+    with pytest.raises(CheckpointMismatch, match=r"tensor 'model/layers.0.w' is \(8, 4\) torch.float32 in the "
+                                                 r"checkpoint but \(8, 6\) torch.float32 here"):
+        check_compatible(path, wider)
+    with pytest.raises(CheckpointMismatch, match="has no tensor 'model/extra'"):
+        check_compatible(path, {"model": {**make_state(0)["model"], "extra": torch.zeros(1)}})
+    with pytest.raises(CheckpointMismatch, match="has tensor 'model/norm.weight' that this model does not have"):
+        check_compatible(path, {"model": {"layers.0.w": torch.zeros(8, 4)}})
+
+
+def test_prune_keeps_the_newest_and_removes_leftovers(tmp_path) -> None:
+    for step in (20, 40, 60):
+        write_part(tmp_path, step, "slot-0", make_state(step), parts=["slot-0"])
+    leftover = step_dir(tmp_path, 60) / ".tmp-slot-0-999-dead"
+    leftover.mkdir()
+    other = write_part(tmp_path, 20, "slot-1", make_state(7), parts=["slot-0", "slot-1"])
+    prune(tmp_path, "slot-0", num_keep=2)
+    assert list_steps(tmp_path) == [20, 40, 60]  # step 20 still holds slot-1, which its own node prunes
+    assert not (step_dir(tmp_path, 20) / "slot-0").exists() and other.exists() and not leftover.exists()
+    prune(tmp_path, "slot-1", num_keep=2)
+    assert list_steps(tmp_path) == [40, 60]
