@@ -30,4 +30,5 @@ def config():
         train=attrs.evolve(paper.train, num_steps=200, seq_len=128, batch_size=8, log_every=20),
         diloco=attrs.evolve(paper.diloco, num_inner_steps=20),
         mesh=attrs.evolve(paper.mesh, max_nodes=8),
+        checkpoint=attrs.evolve(paper.checkpoint, interval_steps=20),
     )

@@ -10,6 +10,7 @@ the user provides; until the data layer reads them, this recipe points at the of
 Llama-3 vocabulary size so that the config is whole and the model is the paper's.
 """
 
+from openprime.ckpt import CheckpointConfig, SaveMode
 from openprime.diloco import DiLoCoConfig, OuterOptimizer
 from openprime.train.config import OptimizerConfig, RunConfig, TrainConfig
 from openprime.train.data import DataConfig
@@ -31,4 +32,6 @@ def config() -> RunConfig:
         train=TrainConfig(num_steps=NUM_STEPS, seq_len=8192, batch_size=128, z_loss_weight=2e-4),
         diloco=DiLoCoConfig(num_inner_steps=100, outer_lr=0.7, outer_momentum=0.9,
                             outer_optimizer=OuterOptimizer.NESTEROV),
+        # A checkpoint at every outer step, written while the next inner steps run; two kept.
+        checkpoint=CheckpointConfig(mode=SaveMode.ASYNC, interval_steps=100, num_keep=2),
     )

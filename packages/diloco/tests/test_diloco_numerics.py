@@ -105,6 +105,24 @@ def test_step_counts_inner_steps():
     assert outcomes[5].outer_step == 2
 
 
+def test_state_dict_round_trip_continues_identically():
+    theta0 = torch.randn(6, generator=torch.Generator().manual_seed(3))
+    params, dilocos = _workers(2, theta0, DiLoCoConfig(num_inner_steps=2))
+    _outer_step(params, dilocos, [theta0 + 0.5, theta0 - 0.25])
+    saved = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in d.state_dict().items()} for d in dilocos]
+    assert saved[0]["num_outer_steps_done"] == 1 and torch.count_nonzero(saved[0]["momentum"]) > 0
+    # A second pair of replicas, built from scratch, loads the state and must take the same next step.
+    params2, resumed = _workers(2, torch.zeros(6), DiLoCoConfig(num_inner_steps=2))
+    for d, state in zip(resumed, saved, strict=True):
+        d.load_state_dict(state)
+    assert torch.equal(params2[0].detach(), params[0].detach())
+    nxt = [theta0 + 1.0, theta0 - 2.0]
+    a, b = _outer_step(params, dilocos, nxt), _outer_step(params2, resumed, nxt)
+    assert a[0].state_hash == b[0].state_hash and a[0].outer_step == b[0].outer_step == 2
+    with pytest.raises(ValueError, match="it was saved from another model"):
+        _workers(1, torch.zeros(5), DiLoCoConfig())[1][0].load_state_dict(saved[0])
+
+
 def test_mean_divides_by_contributors_only():
     theta0 = torch.zeros(4)
     params, dilocos = _workers(3, theta0, DiLoCoConfig(num_inner_steps=1, outer_lr=1.0,

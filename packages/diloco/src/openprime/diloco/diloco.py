@@ -74,6 +74,27 @@ class DiLoCo:
         self._last_hash: str | None = None if joining else self.state.state_hash()
         self._received_state = False
 
+    def state_dict(self) -> dict[str, torch.Tensor | int]:
+        """The global weights, outer momentum and step counters: what a checkpoint keeps of the outer loop.
+
+        The tensors are the live host buffers (a checkpointer snapshots them before training goes on).
+        """
+        return {"theta": self.state.theta, "momentum": self.state.momentum,
+                "num_inner_steps_done": self.num_inner_steps_done, "num_outer_steps_done": self.num_outer_steps_done}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor | int]) -> None:
+        """Continue from a checkpoint: the global state goes into the host buffers and the model."""
+        for name in ("theta", "momentum"):
+            if state[name].shape != getattr(self.state, name).shape:
+                raise ValueError(f"DiLoCo.load_state_dict: {name} has {state[name].numel()} elements but this "
+                                 f"model has {self.state.numel}; it was saved from another model")
+        self.state.theta.copy_(state["theta"])
+        self.state.momentum.copy_(state["momentum"])
+        self.state.copy_to_params()
+        self.num_inner_steps_done = int(state["num_inner_steps_done"])
+        self.num_outer_steps_done = int(state["num_outer_steps_done"])
+        self._last_hash = self.state.state_hash()
+
     def rejoin(self, membership: Membership) -> None:
         """Continue under a new membership as a newcomer (after an eviction): the next sync brings the state."""
         self.membership = membership

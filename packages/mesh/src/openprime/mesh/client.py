@@ -120,9 +120,14 @@ class MeshClient:
             if time.monotonic() >= deadline:
                 raise PeerFailure(-1, f"coordinator at {self.address} did not answer {op} in time")
 
-    def join(self, timeout_s: float | None = None) -> int:
-        """Register with the coordinator; returns this node's data slot. Admission happens at a sync."""
+    def join(self, timeout_s: float | None = None, *, slot: int = -1) -> int:
+        """Register with the coordinator; returns this node's data slot. Admission happens at a sync.
+
+        `slot` asks for a data slot (a node resuming a checkpoint wants its own); the coordinator grants it
+        if it is free, and otherwise gives the lowest free one.
+        """
         deadline = time.monotonic() + (timeout_s or self.config.sync_timeout_s)
+        self.slot = slot
         with self._lock:
             reply = self._request(self._sock, "join", deadline)
         if reply.get("op") != "joined":

@@ -202,7 +202,11 @@ class Coordinator:
         record = self.nodes.get(node)
         if record is None:
             used = {r.slot for r in self.nodes.values()}
-            slot = next((s for s in range(self.config.max_nodes) if s not in used), self.config.max_nodes)
+            wanted = message.get("slot", -1)
+            if isinstance(wanted, int) and 0 <= wanted < self.config.max_nodes and wanted not in used:
+                slot = wanted  # a node resuming from a checkpoint asks for its own data slot
+            else:
+                slot = next((s for s in range(self.config.max_nodes) if s not in used), self.config.max_nodes)
             if slot >= self.config.max_nodes:
                 return {"op": "refused", "reason": f"the run is full (max_nodes={self.config.max_nodes})"}
             now = time.monotonic()
@@ -271,7 +275,9 @@ class Coordinator:
         live_members = [m for m in self.members if m in self.nodes]
         if not self._waiting or any(m not in self._waiting for m in live_members):
             return
-        joiners = sorted((n for n in self._waiting if n not in live_members), key=lambda n: self.nodes[n].joined_at)
+        # Joiners in slot order: a run's first ring is then the same when it is resumed from a checkpoint
+        # (slots are granted lowest first, so this is also join order unless a slot was freed).
+        joiners = sorted((n for n in self._waiting if n not in live_members), key=lambda n: self.nodes[n].slot)
         if not live_members and len(joiners) < self.config.min_nodes:
             return  # the first view waits for min_nodes
         arrivals = [self._waiting[m][2] for m in live_members] or [self._waiting[j][2] for j in joiners]

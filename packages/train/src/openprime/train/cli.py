@@ -1,8 +1,9 @@
 """The `openprime` command.
 
     openprime run RECIPE [--nodes N] [--run-dir DIR] [--network SITE.toml] [--transport gloo|tcp|zmq]
-                         [--join HOST:PORT] [--set key=value ...] [--dry-run]
+                         [--join HOST:PORT] [--resume latest|PATH] [--set key=value ...] [--dry-run]
     openprime mesh serve [--bind tcp://0.0.0.0:29500] [--min-nodes N] [--set key=value ...]
+    openprime export RUN_OR_CHECKPOINT OUT_DIR [--dtype float32|bfloat16]
 
 Everything about an experiment lives in its recipe; a site file holds what belongs to the network
 (transport, addresses, secret, shaping, timeouts); `--set` changes one config field for one run and
@@ -21,8 +22,9 @@ import sys
 
 import torch
 
+from openprime.ckpt import Checkpoint, check_compatible
 from openprime.core.config import override
-from openprime.core.errors import ConfigError
+from openprime.core.errors import ConfigError, OpenPrimeError
 from openprime.mesh import Coordinator, MeshConfig
 from openprime.train.config import RunConfig, TransportKind
 from openprime.train.model import Llama, count_parameters, num_flops_per_token
@@ -48,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--join", default=None, metavar="HOST:PORT",
                      help="join the run of the coordinator at HOST:PORT (see `openprime mesh serve`), "
                           "at its start or mid-run, instead of starting a coordinator here")
+    run.add_argument("--resume", default=None, metavar="latest|PATH",
+                     help="continue from a checkpoint: `latest` (the newest complete one of --run-dir) or the "
+                          "path of a checkpoint step directory or root")
     run.add_argument("--dry-run", action="store_true",
                      help="build the config and the model on the meta device, print them, start nothing")
     mesh = commands.add_parser("mesh", help="membership services").add_subparsers(dest="mesh_command", required=True)
@@ -57,7 +62,29 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--min-nodes", type=int, default=1, help="nodes that must join before the first outer step")
     serve.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override one MeshConfig field, e.g. --set heartbeat_interval_s=1")
+    export = commands.add_parser("export", help="write a Hugging Face Llama checkpoint of a run or checkpoint")
+    export.add_argument("source", type=pathlib.Path, metavar="RUN_OR_CHECKPOINT",
+                        help="a run directory (its newest checkpoint), a checkpoint root, step or part")
+    export.add_argument("out_dir", type=pathlib.Path, metavar="OUT_DIR", help="new directory to write")
+    export.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="dtype of the exported weights (default float32)")
     return parser
+
+
+def export_model(args: argparse.Namespace) -> int:
+    """`openprime export`: the newest (or given) checkpoint as config.json + model.safetensors."""
+    from openprime.train.checkpointing import load_model_weights
+    from openprime.train.export import write_hf_checkpoint
+
+    try:
+        model_cfg, weights, part = load_model_weights(args.source)
+        write_hf_checkpoint(weights, model_cfg, args.out_dir, dtype=getattr(torch, args.dtype))
+    except OpenPrimeError as e:
+        print(f"openprime: error: {e}", file=sys.stderr)
+        return 2
+    print(f"openprime: exported {part} to {args.out_dir} ({args.dtype}); load it with "
+          f"transformers.LlamaForCausalLM.from_pretrained({str(args.out_dir)!r})")
+    return 0
 
 
 def serve_mesh(args: argparse.Namespace) -> int:
@@ -104,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "mesh":
         return serve_mesh(args)
+    if args.command == "export":
+        return export_model(args)
     try:
         if args.nodes < 1:
             raise ConfigError(f"--nodes must be >= 1, got {args.nodes}")
@@ -124,12 +153,37 @@ def main(argv: list[str] | None = None) -> int:
 
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = (args.run_dir or pathlib.Path("runs") / f"{cfg.name}-{stamp}").resolve()
-    if (run_dir / "metrics.jsonl").exists() and not args.join:
-        print(f"openprime: error: {run_dir} already holds a run; choose another --run-dir", file=sys.stderr)
+    resume = None
+    try:
+        if args.resume:
+            resume = _resume_from(args, cfg, run_dir)
+        elif (run_dir / "metrics.jsonl").exists() and not args.join:
+            raise ConfigError(f"{run_dir} already holds a run; continue it with --resume latest, "
+                              f"or choose another --run-dir")
+    except OpenPrimeError as e:
+        print(f"openprime: error: {e}", file=sys.stderr)
         return 2
     write_run_files(run_dir, cfg, recipe=args.recipe.resolve(), recipe_files=loaded_recipe_files(),
-                    overrides=overrides, num_nodes=args.nodes)
-    return launch(cfg, num_nodes=args.nodes, run_dir=run_dir, coordinator=args.join)
+                    overrides=overrides, num_nodes=args.nodes, resumed_from=resume.path if resume else None)
+    return launch(cfg, num_nodes=args.nodes, run_dir=run_dir, coordinator=args.join, resume=resume)
+
+
+def _resume_from(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path) -> Checkpoint:
+    """The checkpoint that `--resume` names, checked against the nodes asked for."""
+    from openprime.train.checkpointing import find_checkpoint
+
+    if args.resume == "latest" and args.run_dir is None and not cfg.checkpoint.directory:
+        raise ConfigError("--resume latest needs the --run-dir of the run to continue")
+    found = find_checkpoint(args.resume, cfg.checkpoint, run_dir)
+    if args.nodes != len(found.parts):
+        raise ConfigError(f"checkpoint {found.path} holds {len(found.parts)} nodes ({', '.join(found.parts)}) but "
+                          f"--nodes is {args.nodes}: resume with --nodes {len(found.parts)}; more nodes can join "
+                          f"afterwards with --join")
+    with torch.device("meta"):  # the recipe's model, to compare shapes with the saved one: nothing allocated
+        model = Llama(cfg.model)
+    check_compatible(found.part(found.parts[0]), {"model": model.state_dict()})
+    print(f"openprime: resuming from {found.path} ({len(found.parts)} nodes, checksums verified)", flush=True)
+    return found
 
 
 if __name__ == "__main__":

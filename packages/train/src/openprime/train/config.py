@@ -10,11 +10,13 @@ import enum
 
 import attrs
 
+from openprime.ckpt import CheckpointConfig, SaveMode
 from openprime.core.config import (
     config,
     field,
     instance_of,
     non_negative_float,
+    non_negative_int,
     one_of_enum,
     positive_float,
     positive_int,
@@ -52,6 +54,9 @@ class TrainConfig:
     z_loss_weight: float = field(2e-4, doc="weight of the max-z auxiliary loss", validator=non_negative_float())
     seed: int = field(0, doc="seed of the weight init (the same on every node)", validator=instance_of(int))
     log_every: int = field(10, doc="print progress every this many inner steps", validator=positive_int())
+    stop_after_outer_steps: int = field(
+        0, doc="end this launch after this many outer steps of the run, with a checkpoint (0: run to the end); "
+               "a launch resumed at or past it runs to the end", validator=non_negative_int())
 
 
 class TransportKind(enum.Enum):
@@ -96,6 +101,8 @@ class RunConfig:
     timeouts: Timeouts = field(factory=Timeouts, doc="every deadline of the run", validator=instance_of(Timeouts))
     mesh: MeshConfig = field(factory=MeshConfig, doc="membership: heartbeats, eviction, retries",
                              validator=instance_of(MeshConfig))
+    checkpoint: CheckpointConfig = field(factory=CheckpointConfig, doc="when and where nodes save their state",
+                                         validator=instance_of(CheckpointConfig))
 
     def __attrs_post_init__(self) -> None:
         if self.data.vocab_size != self.model.vocab_size:
@@ -114,6 +121,16 @@ class RunConfig:
                 f"train.num_steps {self.train.num_steps} is not a multiple of diloco.num_inner_steps {h}; "
                 f"the run must end on an outer step (e.g. train.num_steps={max(h, self.train.num_steps // h * h)})"
             )
+        if self.checkpoint.mode is not SaveMode.OFF and self.checkpoint.interval_steps % self.diloco.num_inner_steps:
+            h, every = self.diloco.num_inner_steps, self.checkpoint.interval_steps
+            raise ConfigError(
+                f"checkpoint.interval_steps {every} is not a multiple of diloco.num_inner_steps {h}: a checkpoint "
+                f"is taken at an outer step, when every node holds the same global state "
+                f"(e.g. checkpoint.interval_steps={max(h, every // h * h)})"
+            )
+        if self.train.stop_after_outer_steps > self.num_outer_steps:
+            raise ConfigError(f"train.stop_after_outer_steps {self.train.stop_after_outer_steps} is beyond the "
+                              f"run's {self.num_outer_steps} outer steps; use 0 to run to the end")
         validate_schedule(num_warmup_steps=self.schedule.num_warmup_steps,
                           num_decay_steps=self.schedule.num_decay_steps, num_steps=self.train.num_steps)
 

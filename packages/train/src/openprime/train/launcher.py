@@ -22,6 +22,7 @@ import traceback
 
 import attrs
 
+from openprime.ckpt import Checkpoint
 from openprime.core.config import to_dict
 from openprime.mesh import Coordinator
 from openprime.train.config import RunConfig
@@ -31,22 +32,30 @@ from openprime.train.trainer import run_node
 
 
 def write_run_files(run_dir: pathlib.Path, cfg: RunConfig, *, recipe: pathlib.Path, recipe_files: list[pathlib.Path],
-                    overrides: list[str], num_nodes: int) -> None:
-    """The resolved config and every recipe source, next to the metrics."""
+                    overrides: list[str], num_nodes: int, resumed_from: pathlib.Path | None = None) -> None:
+    """The resolved config and every recipe source, next to the metrics.
+
+    A resumed launch keeps the first launch's files and adds its own `config.resumed-N.json`.
+    """
     run_dir.mkdir(parents=True, exist_ok=True)
     resolved = {"recipe": str(recipe), "overrides": overrides, "num_nodes": num_nodes, "config": to_dict(cfg)}
-    (run_dir / "config.json").write_text(json.dumps(resolved, indent=2) + "\n")
-    sources = run_dir / "recipe"
+    name = "config.json"
+    if resumed_from is not None:
+        resolved["resumed_from"] = str(resumed_from)
+        name = f"config.resumed-{len(list(run_dir.glob('config.resumed-*.json'))) + 1}.json"
+    (run_dir / name).write_text(json.dumps(resolved, indent=2) + "\n")
+    sources = run_dir / ("recipe" if resumed_from is None else name.removesuffix(".json").replace("config", "recipe"))
     sources.mkdir(exist_ok=True)
     for path in recipe_files:
         shutil.copyfile(path, sources / path.name)
 
 
-def node_main(cfg: RunConfig, node: int, coordinator: str, run_dir: pathlib.Path, num_threads: int) -> None:
+def node_main(cfg: RunConfig, node: int, coordinator: str, run_dir: pathlib.Path, num_threads: int,
+              resume: Checkpoint | None = None) -> None:
     """The body of one node process: SIGTERM leaves gracefully (the deathrattle), errors exit 1."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
-        run_node(cfg, node=node, coordinator=coordinator, run_dir=run_dir, num_threads=num_threads)
+        run_node(cfg, node=node, coordinator=coordinator, run_dir=run_dir, num_threads=num_threads, resume=resume)
     except BaseException as e:
         if not isinstance(e, SystemExit):
             print(f"[node {node}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
@@ -57,9 +66,10 @@ class Launcher:
     """A coordinator plus node processes on this machine."""
 
     def __init__(self, cfg: RunConfig, run_dir: pathlib.Path, *, num_nodes: int,
-                 coordinator: str | None = None) -> None:
+                 coordinator: str | None = None, resume: Checkpoint | None = None) -> None:
         self.cfg = attrs.evolve(cfg, mesh=attrs.evolve(cfg.mesh, min_nodes=num_nodes))
         self.run_dir = run_dir
+        self.resume = resume  # the nodes started first continue from it; later ones join and get the state
         self.num_threads = max(1, (os.cpu_count() or 1) // num_nodes)
         self._coordinator = None
         if coordinator is None:
@@ -72,8 +82,9 @@ class Launcher:
     def start_node(self) -> mp.Process:
         """Start one more node; once the run is under way, it waits for the next outer step and gets the state."""
         node = len(self.procs)
+        resume = self.resume if self.resume is not None and node < len(self.resume.parts) else None
         proc = self._ctx.Process(target=node_main, name=f"node-{node}",
-                                 args=(self.cfg, node, self.coordinator, self.run_dir, self.num_threads))
+                                 args=(self.cfg, node, self.coordinator, self.run_dir, self.num_threads, resume))
         proc.start()
         self.procs[node] = proc
         return proc
@@ -99,13 +110,14 @@ class Launcher:
             self._coordinator = None
 
 
-def launch(cfg: RunConfig, *, num_nodes: int, run_dir: pathlib.Path, coordinator: str | None = None) -> int:
+def launch(cfg: RunConfig, *, num_nodes: int, run_dir: pathlib.Path, coordinator: str | None = None,
+           resume: Checkpoint | None = None) -> int:
     """Run `num_nodes` nodes to the end of the run; returns the exit code for the command."""
     prepare_data(cfg.data)
-    launcher = Launcher(cfg, run_dir, num_nodes=num_nodes, coordinator=coordinator)
+    launcher = Launcher(cfg, run_dir, num_nodes=num_nodes, coordinator=coordinator, resume=resume)
     start = time.monotonic()
     print(f"openprime: starting {num_nodes} node(s) of {cfg.name!r}; coordinator {launcher.coordinator}; "
-          f"run directory {run_dir}", flush=True)
+          f"run directory {run_dir}" + (f"; resuming from {resume.path}" if resume else ""), flush=True)
     try:
         for _ in range(num_nodes):
             launcher.start_node()

@@ -18,9 +18,18 @@ import warnings
 import attrs
 import torch
 
+from openprime.ckpt import Checkpoint, Checkpointer, SaveMode
 from openprime.core.errors import ConfigError, OpenPrimeError
 from openprime.diloco import DiLoCo, OuterStepResult
 from openprime.mesh import ElasticDeviceMesh, Evicted, MeshClient
+from openprime.train.checkpointing import (
+    load_node_part,
+    node_checkpointer,
+    node_state,
+    part_name,
+    restore_node,
+    slot_of_part,
+)
 from openprime.train.config import RunConfig
 from openprime.train.data import PackedBatches, Split, load_tokens, prepare_data
 from openprime.train.loss import loss_with_max_z
@@ -54,10 +63,13 @@ def build_batches(cfg: RunConfig, slot: int) -> PackedBatches:
                          seed=cfg.data.seed + slot)
 
 
-def join_mesh(cfg: RunConfig, coordinator: str) -> ElasticDeviceMesh:
-    """Register this node with the coordinator (a new node id each time) and wrap it as DiLoCo's membership."""
+def join_mesh(cfg: RunConfig, coordinator: str, *, slot: int = -1) -> ElasticDeviceMesh:
+    """Register this node with the coordinator (a new node id each time) and wrap it as DiLoCo's membership.
+
+    `slot` asks for a data slot (a node resuming a checkpoint wants the one it saved).
+    """
     client = MeshClient(coordinator, cfg.mesh)
-    client.join()
+    client.join(slot=slot)
     return ElasticDeviceMesh(client, transport_factory=transport_factory(cfg.transport, cfg.timeouts),
                              run_id=cfg.mesh.run_id, probe_bytes=cfg.mesh.probe_bytes,
                              probe_timeout_s=cfg.timeouts.op_s)
@@ -104,8 +116,10 @@ def train_step(model: Llama, opt: torch.optim.Optimizer, sched: torch.optim.lr_s
     return loss.ce.item()
 
 
-def run_node(cfg: RunConfig, *, node: int, coordinator: str, run_dir: pathlib.Path,
-             num_threads: int = 1) -> NodeSummary:
+def run_node(cfg: RunConfig, *, node: int, coordinator: str, run_dir: pathlib.Path, num_threads: int = 1,
+             resume: Checkpoint | None = None) -> NodeSummary:
+    """Train one node to the end of the run (or to train.stop_after_outer_steps); `resume`: continue from
+    that checkpoint's part number `node` (the launcher starts as many nodes as the checkpoint has parts)."""
     torch.set_num_threads(num_threads)
     model = Llama(cfg.model)
     model.init_weights(seed=cfg.train.seed)
@@ -113,19 +127,33 @@ def run_node(cfg: RunConfig, *, node: int, coordinator: str, run_dir: pathlib.Pa
     sched = build_lr_scheduler(opt, num_warmup_steps=cfg.schedule.num_warmup_steps,
                                num_decay_steps=cfg.schedule.num_decay_steps, num_steps=cfg.train.num_steps,
                                shape=cfg.schedule.decay_shape)
-    mesh = join_mesh(cfg, coordinator)
-    joining = mesh.client.joined_epoch > 0  # the run is under way: get its state at the next outer step
+    mesh = join_mesh(cfg, coordinator, slot=slot_of_part(resume.parts[node]) if resume else -1)
+    # The run is under way: get its state at the next outer step (a resumed run restarts all its nodes).
+    joining = mesh.client.joined_epoch > 0 and resume is None
     metrics = MetricsWriter(run_dir, node)
+    ckpt = None
     try:
         diloco = DiLoCo(model.parameters(), config=cfg.diloco, timeouts=cfg.timeouts, membership=mesh,
                         codec=codec_for(cfg.diloco.compression), joining=joining)
-        metrics.write("start", node_id=mesh.client.node, slot=mesh.client.slot, joining=joining,
-                      state_hash=diloco.state.state_hash())
         if joining:
             mesh, result = catch_up(cfg, coordinator, diloco, mesh, rejoin=False)
             follow_schedule(sched, diloco.num_inner_steps_done)
             _report_outer(metrics, node, diloco.num_inner_steps_done, result)
         batches = build_batches(cfg, mesh.client.slot)
+        if resume is not None:
+            restore_node(load_node_part(resume, mesh.client.slot, model), model=model, opt=opt, sched=sched,
+                         diloco=diloco, batches=batches)
+            say(f"[node {node}] resumed from {resume.path} at inner step {diloco.num_inner_steps_done} "
+                f"(outer step {diloco.num_outer_steps_done})")
+        metrics.write("start", node_id=mesh.client.node, slot=mesh.client.slot, joining=joining,
+                      resumed_from=str(resume.path) if resume else "", step=diloco.num_inner_steps_done,
+                      state_hash=diloco.state.state_hash())
+        if cfg.checkpoint.mode is not SaveMode.OFF:
+            ckpt = node_checkpointer(cfg.checkpoint, run_dir, mesh.client.slot)
+        stop_at = cfg.train.stop_after_outer_steps
+        if stop_at and diloco.num_outer_steps_done >= stop_at:
+            say(f"[node {node}] already past train.stop_after_outer_steps={stop_at}: running to the end")
+            stop_at = 0
         tokens_per_step, sent = cfg.train.batch_size * cfg.train.seq_len, 0
         losses, outer, window_start = [], None, time.monotonic()
         while (step := diloco.num_inner_steps_done + 1) <= cfg.train.num_steps:
@@ -139,6 +167,9 @@ def run_node(cfg: RunConfig, *, node: int, coordinator: str, run_dir: pathlib.Pa
                 say(f"[node {node}] {e}")
                 mesh, result = catch_up(cfg, coordinator, diloco, mesh, rejoin=True)
                 batches = build_batches(cfg, mesh.client.slot)
+                if ckpt is not None:  # a new data slot: its own checkpoint part
+                    ckpt.close()
+                    ckpt = node_checkpointer(cfg.checkpoint, run_dir, mesh.client.slot)
                 metrics.write("rejoined", node_id=mesh.client.node, slot=mesh.client.slot,
                               step=diloco.num_inner_steps_done)
             if result is not None and result.received_state:  # admitted late: where the run is
@@ -146,6 +177,16 @@ def run_node(cfg: RunConfig, *, node: int, coordinator: str, run_dir: pathlib.Pa
             if result is not None:
                 outer, sent = result, sent + result.bytes_sent
                 _report_outer(metrics, node, step, result)
+                stopping = bool(stop_at) and diloco.num_outer_steps_done >= stop_at
+                if ckpt is not None and (stopping or diloco.num_inner_steps_done % cfg.checkpoint.interval_steps == 0
+                                         or diloco.num_inner_steps_done == cfg.train.num_steps):
+                    _save(ckpt, metrics, mesh, node_state(model=model, opt=opt, sched=sched, diloco=diloco,
+                                                          batches=batches, model_cfg=cfg.model),
+                          diloco.num_inner_steps_done)
+                if stopping:
+                    say(f"[node {node}] stopping after outer step {stop_at} (train.stop_after_outer_steps); "
+                        f"continue with --resume latest")
+                    break
             if step % cfg.train.log_every == 0 or step == cfg.train.num_steps:
                 elapsed, window_start = time.monotonic() - window_start, time.monotonic()
                 say(progress_line(node=node, step=step, num_steps=cfg.train.num_steps, loss=losses[-1],
@@ -155,11 +196,27 @@ def run_node(cfg: RunConfig, *, node: int, coordinator: str, run_dir: pathlib.Pa
                               last_loss=losses[-1] if losses else float("nan"),
                               num_outer_steps=diloco.num_outer_steps_done,
                               last_hash=outer.state_hash if outer else "", bytes_sent=sent)
+        if ckpt is not None:
+            ckpt.close()  # the last save must be on disk before the node reports its end
         metrics.write("end", **attrs.asdict(summary))
         return summary
     finally:
+        if ckpt is not None:
+            ckpt.close()
         metrics.close()
         mesh.close()
+
+
+def _save(ckpt: Checkpointer, metrics: MetricsWriter, mesh: ElasticDeviceMesh, state: dict, step: int) -> None:
+    """Checkpoint this node's part of the outer step just done; the parts are the slots of its members."""
+    previous = ckpt.wait()
+    parts = [part_name(slot) for _, slot in mesh.view.slots] if mesh.view else [ckpt.part]
+    if ckpt.part not in parts:
+        parts.append(ckpt.part)
+    blocking_s = ckpt.save(step, state, parts=parts)
+    metrics.write("checkpoint", step=step, blocking_s=blocking_s, parts=parts,
+                  previous_total_s=previous.total_s if previous else None,
+                  previous_failed=bool(previous and previous.path is None))
 
 
 def _report_outer(metrics: MetricsWriter, node: int, step: int, r: OuterStepResult) -> None:

@@ -1,0 +1,130 @@
+"""What a node checkpoints, how it comes back from a checkpoint, and where checkpoints live (issue 6).
+
+A node saves at outer-step boundaries, when every node holds the same global weights, one part per
+data slot (`slot-S`) under `RUN_DIR/checkpoints/step-N/`: the model and AdamW state (DCP), the DiLoCo
+host copies of the global weights and outer momentum, the scheduler, the step counters, the data
+position and the RNG state; with these a run stopped after outer step k and resumed continues exactly
+as if it had not stopped. The model config goes in too, so that a checkpoint alone can be exported.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import pathlib
+import typing
+from typing import Any
+
+import attrs
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from openprime.ckpt import (
+    Checkpoint,
+    CheckpointConfig,
+    Checkpointer,
+    CheckpointNotFound,
+    check_compatible,
+    latest,
+    read_part,
+    resolve,
+)
+from openprime.core.config import to_dict
+from openprime.core.errors import ConfigError
+from openprime.diloco import DiLoCo
+from openprime.train.data import PackedBatches
+from openprime.train.model import ModelConfig
+
+
+def part_name(slot: int) -> str:
+    return f"slot-{slot}"
+
+
+def slot_of_part(name: str) -> int:
+    return int(name.removeprefix("slot-"))
+
+
+def checkpoint_root(cfg: CheckpointConfig, run_dir: pathlib.Path) -> pathlib.Path:
+    return pathlib.Path(cfg.directory) if cfg.directory else run_dir / "checkpoints"
+
+
+def node_checkpointer(cfg: CheckpointConfig, run_dir: pathlib.Path, slot: int) -> Checkpointer:
+    return Checkpointer(checkpoint_root(cfg, run_dir), part=part_name(slot), mode=cfg.mode, num_keep=cfg.num_keep)
+
+
+def node_state(*, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
+               diloco: DiLoCo, batches: PackedBatches, model_cfg: ModelConfig) -> dict[str, Any]:
+    """Everything this node needs to continue exactly (live tensors: the checkpointer snapshots them)."""
+    return {
+        "model": get_model_state_dict(model),
+        "optim": get_optimizer_state_dict(model, opt),
+        "scheduler": sched.state_dict(),
+        "diloco": diloco.state_dict(),
+        "data": batches.state_dict(),
+        "rng": {"torch": torch.get_rng_state()},
+        "model_config": to_dict(model_cfg),
+    }
+
+
+def restore_node(state: dict[str, Any], *, model: torch.nn.Module, opt: torch.optim.Optimizer,
+                 sched: torch.optim.lr_scheduler.LRScheduler, diloco: DiLoCo, batches: PackedBatches) -> None:
+    """Put a node back where `node_state` found it."""
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    sched.load_state_dict(state["scheduler"])
+    diloco.load_state_dict(state["diloco"])
+    batches.load_state_dict(state["data"])
+    torch.set_rng_state(state["rng"]["torch"])
+
+
+def find_checkpoint(spec: str, cfg: CheckpointConfig, run_dir: pathlib.Path) -> Checkpoint:
+    """`--resume latest` (the run directory's newest complete, verified step) or `--resume PATH`."""
+    if spec == "latest":
+        return latest(checkpoint_root(cfg, run_dir))
+    return resolve(pathlib.Path(spec))
+
+
+def load_node_part(checkpoint: Checkpoint, slot: int, model: torch.nn.Module) -> dict[str, Any]:
+    """This node's part of a checkpoint, after checking it was saved from the same model."""
+    name = part_name(slot)
+    if name not in checkpoint.parts:
+        raise ConfigError(f"this node has data slot {slot}, but checkpoint {checkpoint.path} holds "
+                          f"{list(checkpoint.parts)}: resume with as many nodes as it has parts "
+                          f"(--nodes {len(checkpoint.parts)}) and add nodes with --join afterwards")
+    part = checkpoint.part(name)
+    check_compatible(part, {"model": model.state_dict()})
+    return read_part(part)
+
+
+def model_config_from_dict(values: dict[str, Any]) -> ModelConfig:
+    """A ModelConfig from `to_dict`'s JSON (enums by value)."""
+    hints = typing.get_type_hints(ModelConfig)
+    kwargs = {}
+    for f in attrs.fields(ModelConfig):
+        value, tp = values[f.name], hints[f.name]
+        kwargs[f.name] = tp(value) if isinstance(tp, type) and issubclass(tp, enum.Enum) else value
+    return ModelConfig(**kwargs)
+
+
+def load_model_weights(source: pathlib.Path) -> tuple[ModelConfig, dict[str, torch.Tensor], pathlib.Path]:
+    """The model config and weights of a run directory (its newest checkpoint), a checkpoint root, a step
+    directory or one part; returns (config, state dict, the part read)."""
+    if (source / "state.json").is_file():
+        part = source
+    else:
+        if (source / "config.json").is_file() and (source / "checkpoints").is_dir():
+            run_cfg = json.loads((source / "config.json").read_text())["config"]
+            root = pathlib.Path(run_cfg["checkpoint"]["directory"] or source / "checkpoints")
+            found = latest(root)
+        elif source.is_dir():
+            found = resolve(source)
+        else:
+            raise CheckpointNotFound(f"{source} is neither a run directory nor a checkpoint")
+        part = found.part(found.parts[0])
+    state = read_part(part)
+    return model_config_from_dict(state["model_config"]), state["model"], part
