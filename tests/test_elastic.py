@@ -136,8 +136,9 @@ def test_frozen_node_is_evicted_then_rejoins(tmp_path):
     assert late[-1]["outer_step"] == NUM_STEPS // H
 
 
-def test_node_started_mid_run_is_admitted_at_the_next_outer_step(tmp_path):
-    launcher = _start(tmp_path, 2)
+@pytest.mark.parametrize("mode", ["blocking", "non_blocking"])
+def test_node_started_mid_run_is_admitted_at_the_next_outer_step(tmp_path, mode):
+    launcher = _start(tmp_path, 2, f"diloco.recovery={mode}")
     _wait_for(launcher.run_dir, _outer_done(0, 3))
     launcher.start_node()  # node 2
     _finish(launcher, expected_ok={0, 1, 2})
@@ -147,6 +148,39 @@ def test_node_started_mid_run_is_admitted_at_the_next_outer_step(tmp_path):
     joined = [r for r in records if r["kind"] == "outer" and r["node"] == 2]
     assert joined and joined[0]["outer_step"] >= 4 and joined[0]["num_members"] == 3
     assert joined[0]["num_contributors"] == 2  # the joiner entered with a zero pseudo-gradient
+    others = {r["state_hash"] for r in records if r["kind"] == "outer" and r["outer_step"] == joined[0]["outer_step"]}
+    assert others == {joined[0]["state_hash"]}  # its first outer step ends bit-identical to the others'
+    admitted = [r for r in records if r["kind"] == "outer" and r["node"] == 0 and r["num_members"] == 3][0]
+    if mode == "blocking":  # the others waited for the transfer, then did that outer step with the joiner
+        assert admitted["outer_step"] == joined[0]["outer_step"]
+    else:  # the joiner took part without state, got it after the commit and entered the step after
+        assert admitted["outer_step"] == joined[0]["outer_step"] - 1
+
+
+def test_donor_killed_mid_transfer_the_joiner_finishes_from_another(tmp_path):
+    # 25 Mbit/s links make the ~29 MB transfer (weights, outer momentum, AdamW state) last about 10 s;
+    # int8 keeps the all-reduces short. The donor is the first old member of the view that admits node 3.
+    launcher = _start(tmp_path, 3, "transport.kind=tcp", "transport.options.shaping.rate_bps=2.5e7",
+                      "transport.options.num_connections=1", "diloco.compression=int8", "checkpoint.mode=off")
+    _wait_for(launcher.run_dir, _outer_done(0, 3))
+    joiner = len(launcher.procs)
+    launcher.start_node()
+    coordinator = launcher._coordinator
+    deadline = time.monotonic() + 120
+    while len(coordinator.members) < 4:
+        assert time.monotonic() < deadline, "the joiner was never admitted"
+        time.sleep(0.02)
+    donor_id = coordinator.members[0]
+    time.sleep(2.0)  # the group is built and the transfer under way
+    node_of = {r["node_id"]: r["node"] for r in _records(launcher.run_dir) if r["kind"] == "start"}
+    donor = node_of[donor_id]
+    assert donor != joiner
+    os.kill(launcher.procs[donor].pid, signal.SIGKILL)
+    survivors = {0, 1, 2, joiner} - {donor}
+    _finish(launcher, expected_ok=survivors, timeout_s=400)
+    first = [r for r in _records(launcher.run_dir) if r["kind"] == "outer" and r["node"] == joiner][0]
+    assert first["num_tries"] >= 2 and first["num_members"] == 3, first  # finished in a retry, without the donor
+    assert first["received_state"]
 
 
 def test_two_of_four_killed_at_once(tmp_path):

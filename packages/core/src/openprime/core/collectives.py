@@ -25,7 +25,6 @@ from openprime.core.transport import Transport
 TAG_ALL_REDUCE = 1
 TAG_ALL_GATHER_SIZE = 2
 TAG_ALL_GATHER_DATA = 3
-TAG_STATE = 4
 
 _FP32 = Float32Codec()
 SEGMENT_NUMEL = 1 << 20  # 4 MiB of fp32 per message: large enough to stream, small enough to overlap

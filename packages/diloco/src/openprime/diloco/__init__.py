@@ -1,15 +1,18 @@
 """openprime.diloco: the DiLoCo outer loop (INTELLECT-1 paper, section 2.1) around an ordinary loop."""
 
-from openprime.diloco.config import Compression, DiLoCoConfig, OuterOptimizer
+from openprime.diloco.config import Compression, DiLoCoConfig, OuterOptimizer, RecoveryMode
 from openprime.diloco.diloco import DiLoCo, OuterStepResult
 from openprime.diloco.outer import OuterState, outer_update_
+from openprime.diloco.recovery import ExtraState
 
 __all__ = [
     "Compression",
     "DiLoCo",
     "DiLoCoConfig",
+    "ExtraState",
     "OuterOptimizer",
     "OuterState",
     "OuterStepResult",
+    "RecoveryMode",
     "outer_update_",
 ]

@@ -22,6 +22,13 @@ class Compression(enum.Enum):
     INT8 = "int8"  # INTELLECT-1's codebook quantizer (openprime.kernels): 4x fewer bytes
 
 
+class RecoveryMode(enum.Enum):
+    """How a joining node gets the state (INTELLECT-1 had both; openprime.diloco.recovery)."""
+
+    BLOCKING = "blocking"  # the others wait at the barrier while it transfers
+    NON_BLOCKING = "non_blocking"  # the others keep training; the joiner enters the next outer step
+
+
 @config
 class DiLoCoConfig:
     """DiLoCo settings; the defaults are INTELLECT-1's (paper, Appendix A)."""
@@ -34,3 +41,5 @@ class DiLoCoConfig:
                                             validator=one_of_enum(OuterOptimizer))
     compression: Compression = field(Compression.NONE, doc="pseudo-gradient encoding on the wire",
                                      validator=one_of_enum(Compression))
+    recovery: RecoveryMode = field(RecoveryMode.BLOCKING, doc="how joiners get the state: blocking or non_blocking",
+                                   validator=one_of_enum(RecoveryMode))

@@ -4,8 +4,9 @@ The user's loop is unchanged: forward, backward, `inner_opt.step()`, and then `d
 counts inner steps and, every `num_inner_steps`, runs the outer step. One outer step is one or more
 tries, each decided by the `Membership` (openprime.core.membership; static, or the elastic mesh):
 
-1. `begin`: wait at the barrier; get this try's group. Members admitted at this barrier first receive
-   the global state from a donor, so that they enter with a zero pseudo-gradient (non-contributing).
+1. `begin`: wait at the barrier; get this try's group. Members without the state (admitted now, or
+   whose transfer broke) get it from a donor (openprime.diloco.recovery: blocking, or non-blocking
+   after the commit) and take part with a zero pseudo-gradient (non-contributing).
 2. delta = theta_global - theta_local on the host (openprime.diloco.outer.OuterState).
 3. the members agree how many of them contribute; a ring all-reduce sums the pseudo-gradients.
 4. `commit`: apply only if every member's all-reduce succeeded; otherwise every survivor tries again
@@ -26,13 +27,15 @@ import attrs
 import torch
 
 from openprime.core.codec import Codec, Float32Codec
-from openprime.core.collectives import TAG_STATE, all_gather_object, ring_all_reduce
+from openprime.core.collectives import all_gather_object, ring_all_reduce
 from openprime.core.errors import PeerFailure, ReplicaDivergence
 from openprime.core.membership import Membership, Round, StaticMembership
+from openprime.core.state_transfer import StateCorrupt
 from openprime.core.timeouts import Timeouts
 from openprime.core.transport import Transport
-from openprime.diloco.config import DiLoCoConfig
+from openprime.diloco.config import DiLoCoConfig, RecoveryMode
 from openprime.diloco.outer import OuterState, outer_update_
+from openprime.diloco.recovery import ExtraState, Recovery
 
 log = logging.getLogger("openprime.diloco")
 
@@ -59,7 +62,7 @@ class DiLoCo:
 
     def __init__(self, params: Iterable[torch.Tensor], *, config: DiLoCoConfig, timeouts: Timeouts,
                  transport: Transport | None = None, membership: Membership | None = None,
-                 codec: Codec | None = None, joining: bool = False) -> None:
+                 codec: Codec | None = None, joining: bool = False, extra: ExtraState | None = None) -> None:
         if (transport is None) == (membership is None):
             raise ValueError("DiLoCo takes either a transport (a static group) or a membership, not both")
         self.config = config
@@ -73,6 +76,16 @@ class DiLoCo:
         # so the coordinator compares replicas; a joiner has nothing to report until it got the state.
         self._last_hash: str | None = None if joining else self.state.state_hash()
         self._received_state = False
+        self.recovery = Recovery(self.state, config.recovery, extra)
+        self._donate_later: list[int] = []
+        # A non-blocking joiner that received the state after a commit has not trained this outer step's
+        # inner steps: it should `sit_out` the next outer step rather than make everyone wait for it.
+        self.behind = False
+
+    @property
+    def has_state(self) -> bool:
+        """False for a joiner until it received the global state from a donor."""
+        return self._last_hash is not None
 
     def state_dict(self) -> dict[str, torch.Tensor | int]:
         """The global weights, outer momentum and step counters: what a checkpoint keeps of the outer loop.
@@ -99,6 +112,7 @@ class DiLoCo:
         """Continue under a new membership as a newcomer (after an eviction): the next sync brings the state."""
         self.membership = membership
         self._last_hash = None
+        self.behind = False
 
     def step(self) -> OuterStepResult | None:
         """Count one inner step; run the outer step when `num_inner_steps` have passed since the last."""
@@ -110,8 +124,16 @@ class DiLoCo:
     def _deadline(self, transport: Transport) -> float:
         return time.monotonic() + self.timeouts.collective_s(transport.world_size)
 
+    def sit_out(self) -> OuterStepResult:
+        """A non-blocking joiner that just got the state: count the outer step's inner steps it did not train
+        and take part in that outer step with a zero pseudo-gradient (paper, section 2.2)."""
+        self.num_inner_steps_done += self.config.num_inner_steps
+        self.behind = False
+        return self.sync(contribute=False)
+
     def sync(self, *, contribute: bool = True) -> OuterStepResult:
         """Run one outer step now. With `contribute=False` this node sends a zero pseudo-gradient."""
+        self.recovery.finish_background()
         start = time.monotonic()
         step, attempt = self.num_outer_steps_done, 0
         self._received_state = False
@@ -130,23 +152,26 @@ class DiLoCo:
             if self.membership.commit(step, attempt, ok):
                 break
             attempt += 1
-        if num_contributors:
+        if num_contributors and self.has_state:
             self.state.delta.div_(num_contributors)
             outer_update_(self.state.theta, self.state.momentum, self.state.delta, lr=self.config.outer_lr,
                           mu=self.config.outer_momentum, optimizer=self.config.outer_optimizer)
-        self.state.copy_to_params()
+        if self.has_state:
+            self.state.copy_to_params()
         self.num_outer_steps_done = step + 1
         self._last_hash = self._verify(t)
+        self._after_commit(rnd)
         return self._result(step, num_contributors, t.world_size, attempt + 1, False, sent, received, all_reduce_s,
                             start)
 
     def _try(self, rnd: Round, contribute: bool) -> tuple[bool, int, float]:
         """State to the newcomers, then the all-reduce of this try; (succeeded, contributors, seconds)."""
         t = rnd.transport
+        self._donate_later = []
         try:
             if rnd.new_ranks:
                 self._transfer_state(rnd)
-            contributing = contribute and t.rank not in rnd.new_ranks
+            contributing = contribute and self.has_state and t.rank not in rnd.new_ranks
             delta = self.state.compute_pseudo_gradient()
             if not contributing:
                 delta.zero_()
@@ -155,36 +180,55 @@ class DiLoCo:
             # No backup copy of delta: a failed try recomputes it from theta and the parameters.
             ring_all_reduce(t, delta, deadline=self._deadline(t), codec=self.codec, restore_on_failure=False)
             return True, sum(bool(f) for f in flags), time.monotonic() - reduce_start  # delta holds the sum
-        except PeerFailure as e:
+        except (PeerFailure, StateCorrupt) as e:
             log.warning("outer step all-reduce failed on rank %d: %s", t.rank, e)
             return False, 0, 0.0
 
+    def _counters(self) -> dict[str, int]:
+        return {"num_inner_steps_done": self.num_inner_steps_done, "num_outer_steps_done": self.num_outer_steps_done}
+
     def _transfer_state(self, rnd: Round) -> None:
-        """The donor sends the global state and the step counters to every member admitted now."""
+        """In the try: the donor offers the state to the members without it; blocking joiners take it now."""
         t = rnd.transport
-        counters = torch.tensor([self.num_inner_steps_done, self.num_outer_steps_done], dtype=torch.int64)
-        buffers = [self.state.theta, self.state.momentum, counters]
         deadline = self._deadline(t)
         if t.rank == rnd.donor_rank:
-            for rank in rnd.new_ranks:
-                t.send(rank, TAG_STATE, buffers, deadline=deadline)
-        elif t.rank in rnd.new_ranks:
-            t.recv(rnd.donor_rank, TAG_STATE, buffers, deadline=deadline)
-            self.num_inner_steps_done, self.num_outer_steps_done = (int(c) for c in counters)
-            self.state.copy_to_params()
-            self._received_state = True
-            self._last_hash = self.state.state_hash()
+            self._donate_later = self.recovery.donate(t, rnd.new_ranks, deadline=deadline, counters=self._counters())
+        elif t.rank in rnd.new_ranks and not self.has_state:
+            later = self.config.recovery is RecoveryMode.NON_BLOCKING
+            self._install(self.recovery.receive(t, rnd.donor_rank, deadline=deadline, later=later))
 
-    def _verify(self, t: Transport) -> str:
+    def _after_commit(self, rnd: Round) -> None:
+        """Non-blocking recovery: the donor sends the new state in the background; the joiner receives it."""
+        t = rnd.transport
+        if self._donate_later:
+            ranks, self._donate_later = self._donate_later, []
+            self.recovery.donate_later(t, ranks, deadline=self._deadline(t), counters=self._counters())
+        elif t.rank in rnd.new_ranks and not self.has_state and self.config.recovery is RecoveryMode.NON_BLOCKING:
+            try:
+                self._install(self.recovery.receive(t, rnd.donor_rank, deadline=self._deadline(t), later=False))
+                self.behind = self.has_state
+            except (PeerFailure, StateCorrupt) as e:  # the next barrier finds it without state again
+                log.warning("receiving the state from rank %d failed: %s; finishing it at the next outer step",
+                            rnd.donor_rank, e)
+
+    def _install(self, meta: dict | None) -> None:
+        if meta is None:
+            return
+        self.num_inner_steps_done = int(meta["num_inner_steps_done"])
+        self.num_outer_steps_done = int(meta["num_outer_steps_done"])
+        self._received_state = True
+        self._last_hash = self.state.state_hash()
+
+    def _verify(self, t: Transport) -> str | None:
         """Compare the hash of the global state across the members; raise ReplicaDivergence if any differs."""
-        mine = self.state.state_hash()
+        mine = self.state.state_hash() if self.has_state else None  # a joiner still without state: no vote
         try:
             hashes = all_gather_object(t, mine, deadline=self._deadline(t))
         except PeerFailure as e:
             # A member left after applying; the coordinator still compares the hashes at the next barrier.
             log.warning("could not compare state hashes after outer step %d: %s", self.num_outer_steps_done, e)
             return mine
-        if len(set(hashes)) != 1:
+        if len({h for h in hashes if h is not None}) > 1:
             listing = ", ".join(f"rank {r}: {h}" for r, h in enumerate(hashes))
             raise ReplicaDivergence(
                 f"global state differs across replicas after outer step {self.num_outer_steps_done} ({listing})"
@@ -195,6 +239,6 @@ class DiLoCo:
                 sent: int, received: int, all_reduce_s: float, start: float) -> OuterStepResult:
         return OuterStepResult(outer_step=step + 1, num_contributors=num_contributors, num_members=num_members,
                                num_tries=num_tries, skipped=skipped, received_state=self._received_state,
-                               state_hash=self.state.state_hash(),
+                               state_hash=self.state.state_hash() if self.has_state else "",
                                bytes_sent=sent, bytes_received=received, all_reduce_s=all_reduce_s,
                                total_s=time.monotonic() - start)

@@ -137,13 +137,18 @@ class MeshClient:
         return self.slot
 
     def sync(self, step: int, attempt: int = 0, *, state_hash: str | None = None,
-             hash_step: int | None = None, bandwidth: dict[str, float] | None = None) -> View:
+             hash_step: int | None = None, bandwidth: dict[str, float] | None = None,
+             stateless: bool = False) -> View:
         """Wait at the outer-step barrier; returns the view every node of this try gets.
 
         `bandwidth` reports measured bytes per second from other nodes to this one (for the ring order).
+        `stateless`: this node does not hold the global state (its transfer broke): the view lists it as
+        new, so that a donor sends it the state again.
         """
         deadline = time.monotonic() + self.config.sync_timeout_s
         extra: dict[str, Any] = {"hash": state_hash, "hash_step": hash_step} if state_hash is not None else {}
+        if stateless:
+            extra["stateless"] = True
         if bandwidth:
             extra["bw"] = bandwidth
         with self._lock:

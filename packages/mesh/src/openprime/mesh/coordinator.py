@@ -288,7 +288,10 @@ class Coordinator:
             self.epoch += 1  # a new set, or the same set in a new order: either way new groups
         self.members, self.step = members, step
         skip = attempt >= self.config.num_all_reduce_tries
-        view = {"op": "view", "epoch": self.epoch, "members": members, "new": joiners, "step": step,
+        # Members that report no state (a transfer that broke, or a node admitted earlier without it) get it
+        # from a donor at this barrier, as joiners do.
+        stateless = [m for m in live_members if self._waiting[m][2].get("stateless") is True]
+        view = {"op": "view", "epoch": self.epoch, "members": members, "new": joiners + stateless, "step": step,
                 "attempt": attempt, "skip": skip, "slots": [[m, self.nodes[m].slot] for m in members],
                 "store": self.store}
         self._committee = Committee(step=step, attempt=attempt, members=frozenset(members))

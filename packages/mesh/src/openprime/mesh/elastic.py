@@ -93,7 +93,8 @@ class ElasticDeviceMesh(Membership):
         reply = None
         bandwidth = self._probe_results()
         if self.client is not None:
-            view = self.client.sync(step, attempt, state_hash=state_hash, hash_step=hash_step, bandwidth=bandwidth)
+            view = self.client.sync(step, attempt, state_hash=state_hash, hash_step=hash_step, bandwidth=bandwidth,
+                                    stateless=state_hash is None)
             reply = {"view": [view.epoch, list(view.members), list(view.new), view.step, view.attempt, view.skip,
                               [list(s) for s in view.slots]], "node": self.client.node,
                      "store": self.client.store}

@@ -34,9 +34,10 @@ from openprime.ckpt import (
     read_part,
     resolve,
 )
+from openprime.ckpt.state import flatten, unflatten
 from openprime.core.config import to_dict
 from openprime.core.errors import ConfigError
-from openprime.diloco import DiLoCo
+from openprime.diloco import DiLoCo, ExtraState
 from openprime.train.data import PackedBatches
 from openprime.train.model import ModelConfig
 
@@ -80,6 +81,20 @@ def restore_node(state: dict[str, Any], *, model: torch.nn.Module, opt: torch.op
     diloco.load_state_dict(state["diloco"])
     batches.load_state_dict(state["data"])
     torch.set_rng_state(state["rng"]["torch"])
+
+
+class InnerOptimizerState(ExtraState):
+    """The AdamW state a joining node takes from its donor in live recovery (paper, section 2.2)."""
+
+    def __init__(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        self.model, self.opt = model, opt
+
+    def own_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        tensors, skeleton = flatten(get_optimizer_state_dict(self.model, self.opt))
+        return tensors, {"optim": skeleton}
+
+    def load_own_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.model, self.opt, unflatten(meta["optim"], tensors))
 
 
 def find_checkpoint(spec: str, cfg: CheckpointConfig, run_dir: pathlib.Path) -> Checkpoint:

@@ -23,6 +23,7 @@ from openprime.core.errors import ConfigError, OpenPrimeError
 from openprime.diloco import DiLoCo, OuterStepResult
 from openprime.mesh import ElasticDeviceMesh, Evicted, MeshClient
 from openprime.train.checkpointing import (
+    InnerOptimizerState,
     load_node_part,
     node_checkpointer,
     node_state,
@@ -89,7 +90,13 @@ def catch_up(cfg: RunConfig, coordinator: str, diloco: DiLoCo, mesh: ElasticDevi
             mesh = join_mesh(cfg, coordinator)
             diloco.rejoin(mesh)
         try:
-            return mesh, diloco.sync(contribute=False)
+            result = diloco.sync(contribute=False)
+            while not diloco.has_state:  # the transfer broke (its donor died): finish it at the next outer step
+                say(f"[{mesh.client.node}] the state transfer did not complete; continuing it at the next outer step")
+                result = diloco.sync(contribute=False)
+            if diloco.behind:  # non-blocking: got the state after the others moved on; join the next outer step
+                result = diloco.sit_out()
+            return mesh, result
         except Evicted as e:
             say(f"[{mesh.client.node}] evicted while waiting to be admitted ({e}); registering again")
     raise OpenPrimeError(f"evicted {cfg.mesh.num_join_tries} times while waiting to be admitted; giving up")
@@ -134,7 +141,8 @@ def run_node(cfg: RunConfig, *, node: int, coordinator: str, run_dir: pathlib.Pa
     ckpt = None
     try:
         diloco = DiLoCo(model.parameters(), config=cfg.diloco, timeouts=cfg.timeouts, membership=mesh,
-                        codec=codec_for(cfg.diloco.compression), joining=joining)
+                        codec=codec_for(cfg.diloco.compression), joining=joining,
+                        extra=InnerOptimizerState(model, opt))
         if joining:
             mesh, result = catch_up(cfg, coordinator, diloco, mesh, rejoin=False)
             follow_schedule(sched, diloco.num_inner_steps_done)

@@ -1,0 +1,282 @@
+"""Live recovery: a donor sends its state to a joiner in checksummed chunks, resumable from another donor.
+
+INTELLECT-1 brought joining nodes up to date peer to peer (paper, section 2.2); PRIME's transfer broke
+when the donor left mid-transfer and nothing checked what arrived. Here the state is a list of named
+tensors read as one byte stream and cut into chunks of `chunk_bytes`. The protocol, over any
+Transport between the donor and the joiner:
+
+1. donor -> joiner, tag TAG_STATE_OFFER: the offer (msgpack, after its length): the outer step the
+   state belongs to, the donor's origin id, the global-state hash, JSON metadata, and the name, dtype,
+   shape and `shared` flag of every tensor. Shared tensors (the global weights and outer momentum) are
+   identical on every replica after an outer step; the others (the donor's inner optimizer state) are
+   its own.
+2. joiner -> donor, tag TAG_STATE_WANT: the chunks it still needs (msgpack list), and whether it wants
+   the rest later (the non-blocking mode of openprime.diloco).
+3. donor -> joiner, tag TAG_STATE: each wanted chunk, in order: an (index, CRC-32) header and the chunk's
+   bytes, received straight into the joiner's tensors. The joiner checks every CRC; a chunk that fails
+   is logged and left missing (the transfer still reads every chunk, so the tags stay in step), to be
+   fetched again from the next offer. At the end the caller checks the whole-state hash against the
+   mesh's.
+
+A joiner keeps what it received in a `StateFetch` across donors: if its donor dies mid-transfer, the
+next donor's offer for the same step lets it keep every chunk of shared tensors and fetch only the
+rest; chunks of a donor's own tensors are kept only from the same donor (same origin).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import zlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import msgpack
+import torch
+
+from openprime.core.errors import OpenPrimeError
+from openprime.core.transport import Handle, Transport, as_bytes
+
+log = logging.getLogger("openprime.core.state_transfer")
+TAG_STATE = 4
+TAG_STATE_OFFER = 6
+TAG_STATE_WANT = 7
+CHUNK_BYTES = 16 << 20  # large enough to stream at full rate, small enough that a broken transfer loses little
+
+
+class StateCorrupt(OpenPrimeError):
+    """A chunk whose bytes do not match the donor's checksum, or an offer that makes no sense."""
+
+
+@attrs.frozen
+class TensorSpec:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    shared: bool
+
+    @property
+    def num_bytes(self) -> int:
+        return _numel(self.shape) * torch.empty(0, dtype=_dtype(self.dtype)).element_size()
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise StateCorrupt(f"unknown dtype {name!r} in a state offer")
+    return dtype
+
+
+class StateOffer:
+    """What a donor offers: named tensors (contiguous CPU) of one outer step, plus JSON-able metadata.
+
+    The tensors must not change while they are being sent (the caller sends a snapshot, or sends between
+    outer steps when nothing writes them).
+    """
+
+    def __init__(self, *, step: int, origin: str, state_hash: str, shared: Mapping[str, torch.Tensor],
+                 own: Mapping[str, torch.Tensor] | None = None, meta: Mapping[str, Any] | None = None,
+                 chunk_bytes: int = CHUNK_BYTES) -> None:
+        self.tensors = {**shared, **(own or {})}
+        if len(self.tensors) != len(shared) + len(own or {}):
+            raise ValueError("a tensor name is both shared and own")
+        self.specs = [TensorSpec(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), name in shared)
+                      for name, t in self.tensors.items()]
+        self.header = {"step": step, "origin": origin, "state_hash": state_hash, "meta": dict(meta or {}),
+                       "chunk_bytes": chunk_bytes, "tensors": [attrs.astuple(s) for s in self.specs]}
+        self.layout = _Layout(self.specs, chunk_bytes)
+        self._views = [as_bytes(t) for t in self.tensors.values()]
+
+    def chunk_views(self, index: int) -> list[torch.Tensor]:
+        return self.layout.views(self._views, index)
+
+
+class _Layout:
+    """Chunk i is bytes [i*C, (i+1)*C) of the tensors' concatenated bytes, as views that never copy."""
+
+    def __init__(self, specs: Sequence[TensorSpec], chunk_bytes: int) -> None:
+        if chunk_bytes < 1:
+            raise StateCorrupt(f"chunk_bytes {chunk_bytes} must be positive")
+        self.chunk_bytes = chunk_bytes
+        self.starts = [0]
+        for s in specs:
+            self.starts.append(self.starts[-1] + s.num_bytes)
+        self.total = self.starts[-1]
+        self.num_chunks = -(-self.total // chunk_bytes)
+        # Bytes [0, shared_end) belong to shared tensors: offers list them first.
+        shared = [s.shared for s in specs]
+        if shared != sorted(shared, reverse=True):
+            raise StateCorrupt("an offer must list its shared tensors first")
+        self.shared_end = self.starts[sum(shared)]
+
+    def is_shared(self, index: int) -> bool:
+        return min((index + 1) * self.chunk_bytes, self.total) <= self.shared_end
+
+    def views(self, tensor_views: Sequence[torch.Tensor], index: int) -> list[torch.Tensor]:
+        lo, hi = index * self.chunk_bytes, min((index + 1) * self.chunk_bytes, self.total)
+        out = []
+        for i, view in enumerate(tensor_views):
+            a, b = max(lo, self.starts[i]), min(hi, self.starts[i + 1])
+            if a < b:
+                out.append(view[a - self.starts[i]: b - self.starts[i]])
+        return out
+
+
+def _crc(views: Sequence[torch.Tensor]) -> int:
+    crc = 0
+    for v in views:
+        crc = zlib.crc32(v.numpy(), crc)  # zlib releases the GIL on large buffers
+    return crc
+
+
+def _send_packed(transport: Transport, peer: int, tag: int, obj: Any, deadline: float) -> None:
+    data = msgpack.packb(obj)
+    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    transport.send(peer, tag, [torch.tensor([len(data)], dtype=torch.int64)], deadline=deadline)
+    transport.send(peer, tag, [payload], deadline=deadline)
+
+
+def _recv_packed(transport: Transport, peer: int, tag: int, deadline: float, max_bytes: int) -> Any:
+    size = torch.zeros(1, dtype=torch.int64)
+    transport.recv(peer, tag, [size], deadline=deadline)
+    if not 0 <= int(size) <= max_bytes:
+        raise StateCorrupt(f"peer {peer} announced a {int(size)}-byte state message (limit {max_bytes})")
+    data = torch.empty(int(size), dtype=torch.uint8)
+    transport.recv(peer, tag, [data], deadline=deadline)
+    try:
+        return msgpack.unpackb(data.numpy().tobytes(), raw=False, strict_map_key=False)
+    except (ValueError, msgpack.ExtraData) as e:
+        raise StateCorrupt(f"peer {peer} sent a state message that is not msgpack: {e}") from None
+
+
+MAX_OFFER_BYTES = 64 << 20  # a 10B model's offer lists a few thousand tensors: far below this
+
+
+@attrs.frozen
+class SendReport:
+    """What one `send_state` did."""
+
+    num_chunks: int
+    num_bytes: int
+    seconds: float
+    later: bool  # the joiner asked for the rest after the outer step (non-blocking recovery)
+
+
+def send_state(transport: Transport, peer: int, offer: StateOffer, *, deadline: float,
+               only_header: bool = False) -> SendReport:
+    """Donor side: offer the state, then send the chunks the joiner asks for (one in flight while the
+    next one's CRC is computed). `only_header`: offer it, but send no chunk now even if asked."""
+    start = time.monotonic()
+    _send_packed(transport, peer, TAG_STATE_OFFER, offer.header, deadline)
+    want = _recv_packed(transport, peer, TAG_STATE_WANT, deadline, MAX_OFFER_BYTES)
+    chunks = [] if only_header else [int(i) for i in want.get("chunks", [])]
+    if any(not 0 <= i < offer.layout.num_chunks for i in chunks):
+        raise StateCorrupt(f"peer {peer} asked for a chunk outside [0, {offer.layout.num_chunks})")
+    in_flight: Handle | None = None
+    sent = 0
+    for i in chunks:
+        views = offer.chunk_views(i)
+        header = torch.tensor([i, _crc(views)], dtype=torch.int64)
+        if in_flight is not None:
+            in_flight.wait()
+        in_flight = transport.isend(peer, TAG_STATE, [header, *views], deadline=deadline)
+        sent += sum(v.numel() for v in views)
+    if in_flight is not None:
+        in_flight.wait()
+    return SendReport(num_chunks=len(chunks), num_bytes=sent, seconds=time.monotonic() - start,
+                      later=bool(want.get("later")))
+
+
+class StateFetch:
+    """Joiner side: receives a donor's state into tensors it owns, keeping its progress across donors.
+
+    `targets` are preallocated tensors for some names (e.g. the DiLoCo host buffers): chunks land in
+    them directly. Other tensors are allocated from the offer.
+    """
+
+    def __init__(self, targets: Mapping[str, torch.Tensor] | None = None) -> None:
+        self.targets = dict(targets or {})
+        self.header: dict[str, Any] | None = None
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.received: set[int] = set()
+        self.num_chunks_fetched = 0  # over all donors, for tests and logs
+        self.num_corrupt = 0
+        self._layout: _Layout | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self._layout is not None and len(self.received) == self._layout.num_chunks
+
+    @property
+    def step(self) -> int | None:
+        return None if self.header is None else int(self.header["step"])
+
+    def fetch(self, transport: Transport, donor: int, *, deadline: float, later: bool = False) -> bool:
+        """Take the donor's offer and the chunks still missing; returns whether the state is complete.
+
+        With `later` the joiner asks for nothing now unless it already holds part of this very offer
+        (then it finishes it now). PeerFailure propagates with the progress kept for the next donor.
+        """
+        offer = _recv_packed(transport, donor, TAG_STATE_OFFER, deadline, MAX_OFFER_BYTES)
+        self._adopt(offer, donor)
+        missing = [i for i in range(self._layout.num_chunks) if i not in self.received]
+        now = missing if (not later or self.received) else []
+        _send_packed(transport, donor, TAG_STATE_WANT, {"chunks": now, "later": later and not now}, deadline)
+        views = [as_bytes(t) for t in self.tensors.values()]
+        header = [torch.zeros(2, dtype=torch.int64) for _ in range(2)]
+        pending = None
+        for k, i in enumerate(now):
+            # Post the next receive before checking this chunk, so the check overlaps the transfer.
+            handle = transport.irecv(donor, TAG_STATE, [header[k % 2], *self._layout.views(views, i)],
+                                     deadline=deadline)
+            if pending is not None:
+                self._check(*pending, views, donor)
+            handle.wait()
+            pending = (i, header[k % 2].clone())
+        if pending is not None:
+            self._check(*pending, views, donor)
+        return self.complete
+
+    def _adopt(self, offer: dict[str, Any], donor: int) -> None:
+        """Keep what still holds from earlier donors; reset the rest."""
+        try:
+            specs = [TensorSpec(str(n), str(d), tuple(int(x) for x in s), bool(sh)) for n, d, s, sh in offer["tensors"]]
+            layout = _Layout(specs, int(offer["chunk_bytes"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise StateCorrupt(f"donor {donor} sent a malformed state offer: {e}") from None
+        same = (self.header is not None and self.header["step"] == offer["step"]
+                and self.header["tensors"] == offer["tensors"] and self.header["chunk_bytes"] == offer["chunk_bytes"]
+                and self.header["state_hash"] == offer["state_hash"])
+        if not same:
+            self.received = set()
+            self.tensors = {s.name: self._tensor(s) for s in specs}
+        elif self.header["origin"] != offer["origin"]:
+            self.received = {i for i in self.received if layout.is_shared(i)}  # the new donor's own state differs
+        self.header, self._layout = offer, layout
+
+    def _tensor(self, spec: TensorSpec) -> torch.Tensor:
+        target = self.targets.get(spec.name)
+        dtype = _dtype(spec.dtype)
+        if target is not None and target.shape == spec.shape and target.dtype == dtype and target.is_contiguous():
+            return target
+        return torch.empty(spec.shape, dtype=dtype)
+
+    def _check(self, index: int, header: torch.Tensor, views: list[torch.Tensor], donor: int) -> None:
+        got_index, crc = (int(x) for x in header)
+        if got_index != index:
+            raise StateCorrupt(f"donor {donor} sent chunk {got_index} where chunk {index} was expected")
+        self.num_chunks_fetched += 1
+        if _crc(self._layout.views(views, index)) != crc:
+            self.num_corrupt += 1
+            log.warning("chunk %d of the state from donor %d does not match its CRC-32; it will be fetched again",
+                        index, donor)
+            return
+        self.received.add(index)

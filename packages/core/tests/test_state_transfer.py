@@ -1,0 +1,118 @@
+"""Live recovery transfers: chunked, checked, resumable from another donor (openprime.core.state_transfer)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from openprime.core.errors import PeerFailure
+from openprime.core.state_transfer import TAG_STATE, StateFetch, StateOffer, send_state
+from openprime.core.testing import local_group, run_threads
+from openprime.core.transport import Handle, Transport
+
+CHUNK = 1000  # bytes: small, so that chunks span tensor boundaries
+
+
+def shared_state(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"theta": torch.randn(1500, generator=g), "momentum": torch.randn(700, generator=g)}
+
+
+def own_state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + seed)
+    return {"exp_avg": torch.randn(30, 20, generator=g), "step": torch.tensor(7.0 + seed),
+            "position": torch.arange(5, dtype=torch.int64) * seed}
+
+
+def offer(origin: str, seed: int, **kw) -> StateOffer:
+    return StateOffer(step=3, origin=origin, state_hash="h3", shared=shared_state(), own=own_state(seed),
+                      meta={"num_inner_steps_done": 60}, chunk_bytes=CHUNK, **kw)
+
+
+class DiesAfter(Transport):
+    """A donor's transport that stops sending (a killed process) after `num_chunks` state chunks."""
+
+    def __init__(self, inner: Transport, num_chunks: int, corrupt: int | None = None) -> None:
+        super().__init__(inner.rank, inner.world_size)
+        self.inner, self.left, self.corrupt, self.count = inner, num_chunks, corrupt, 0
+
+    def isend(self, peer: int, tag: int, buffers: Sequence[torch.Tensor], *, deadline: float) -> Handle:
+        if tag == TAG_STATE:
+            if self.left == 0:
+                raise PeerFailure(peer, "this donor was killed")
+            self.left -= 1
+            self.count += 1
+            if self.count == self.corrupt:  # one bit flipped on the wire
+                buffers = [b.clone() for b in buffers]
+                buffers[-1].view(torch.uint8)[0] ^= 1
+        return self.inner.isend(peer, tag, buffers, deadline=deadline)
+
+    def irecv(self, peer, tag, buffers, *, deadline):
+        return self.inner.irecv(peer, tag, buffers, deadline=deadline)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_a_transfer_delivers_every_tensor_into_place():
+    donor_t, joiner_t = local_group(2)
+    theta_target = torch.zeros(1500)
+    fetch = StateFetch(targets={"theta": theta_target})
+    deadline = time.monotonic() + 30
+    report, complete = run_threads([lambda: send_state(donor_t, 1, offer("A", 1), deadline=deadline),
+                                    lambda: fetch.fetch(joiner_t, 0, deadline=deadline)])
+    assert complete and fetch.step == 3 and fetch.header["meta"] == {"num_inner_steps_done": 60}
+    assert fetch.tensors["theta"] is theta_target  # received in place, no copy
+    for name, t in {**shared_state(), **own_state(1)}.items():
+        assert torch.equal(fetch.tensors[name], t), name
+    total = sum(t.numel() * t.element_size() for t in {**shared_state(), **own_state(1)}.values())
+    assert report.num_bytes == total and report.num_chunks == -(-total // CHUNK) == fetch.num_chunks_fetched
+
+
+def test_a_dead_donor_is_replaced_and_only_the_missing_chunks_travel():
+    a, b, joiner = local_group(3)
+    fetch = StateFetch()
+    short = time.monotonic() + 1.0
+    with pytest.raises(PeerFailure):
+        run_threads([lambda: send_state(DiesAfter(a, 4), 2, offer("A", 1), deadline=short),
+                     lambda: fetch.fetch(joiner, 0, deadline=short)])
+    assert len(fetch.received) == 4 and not fetch.complete  # what arrived before the kill is kept
+    layout = offer("B", 2).layout
+    kept = {i for i in fetch.received if layout.is_shared(i)}
+    assert kept == fetch.received  # the first chunks are shared tensors: they hold for any donor
+    deadline = time.monotonic() + 30
+    report, complete = run_threads([lambda: send_state(b, 2, offer("B", 2), deadline=deadline),
+                                    lambda: fetch.fetch(joiner, 1, deadline=deadline)])
+    assert complete and report.num_chunks == layout.num_chunks - len(kept)
+    for name, t in {**shared_state(), **own_state(2)}.items():  # the own state is the second donor's, whole
+        assert torch.equal(fetch.tensors[name], t), name
+
+
+def test_a_corrupt_chunk_is_detected_and_fetched_again():
+    donor_t, joiner_t = local_group(2)
+    fetch = StateFetch()
+    deadline = time.monotonic() + 30
+    run_threads([lambda: send_state(DiesAfter(donor_t, 10**6, corrupt=2), 1, offer("A", 1), deadline=deadline),
+                 lambda: fetch.fetch(joiner_t, 0, deadline=deadline)])
+    assert fetch.num_corrupt == 1 and not fetch.complete and 1 not in fetch.received
+    report, complete = run_threads([lambda: send_state(donor_t, 1, offer("A", 1), deadline=deadline),
+                                    lambda: fetch.fetch(joiner_t, 0, deadline=deadline)])
+    assert complete and report.num_chunks == 1
+    assert torch.equal(fetch.tensors["theta"], shared_state()["theta"])
+
+
+def test_later_asks_for_nothing_now_and_a_new_step_starts_over():
+    donor_t, joiner_t = local_group(2)
+    fetch = StateFetch()
+    deadline = time.monotonic() + 30
+    report, complete = run_threads([lambda: send_state(donor_t, 1, offer("A", 1), deadline=deadline),
+                                    lambda: fetch.fetch(joiner_t, 0, deadline=deadline, later=True)])
+    assert report.later and report.num_chunks == 0 and not complete
+    newer = StateOffer(step=4, origin="A", state_hash="h4", shared=shared_state(5), chunk_bytes=CHUNK)
+    run_threads([lambda: send_state(donor_t, 1, newer, deadline=deadline),
+                 lambda: fetch.fetch(joiner_t, 0, deadline=deadline)])
+    assert fetch.complete and fetch.step == 4 and set(fetch.tensors) == {"theta", "momentum"}
+    assert torch.equal(fetch.tensors["momentum"], shared_state(5)["momentum"])

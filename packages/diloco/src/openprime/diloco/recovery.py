@@ -1,0 +1,144 @@
+"""Live recovery inside the outer step: a donor brings a joining node up to date (paper, section 2.2).
+
+At a barrier, the members that report no state (new nodes, or nodes whose earlier transfer broke) are
+the view's `new_ranks`; its `donor_rank` offers them the state over the try's transport with
+openprime.core.state_transfer (chunked, CRC-checked, resumable from another donor). What travels: the
+global weights and outer momentum (shared: identical on every replica), the step counters, and the
+donor's own node state if the caller provides it (`ExtraState`: the inner optimizer), which the joiner
+adopts as a warm start.
+
+Two modes (DiLoCoConfig.recovery):
+- BLOCKING: the transfer happens in the try, before the all-reduce; the other members wait. The joiner
+  then takes part in this outer step with a zero pseudo-gradient and applies it like everyone.
+- NON_BLOCKING: in the try the joiner only takes the offer and asks for the state "later"; it takes part
+  in the all-reduce with a zero pseudo-gradient but applies nothing. After the commit the donor sends the
+  new state from a background thread while everyone trains; the joiner receives it, sits out one outer
+  step (it has not trained) and enters the next one contributing a zero pseudo-gradient. If the donor dies
+  mid-transfer, the joiner reports no state at the next barrier and finishes from the next donor
+  (in the try, the remaining chunks only). If the joiner dies, the donor's background send fails, is
+  logged, and nothing else happens.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from openprime.core.errors import OpenPrimeError
+from openprime.core.state_transfer import StateFetch, StateOffer, send_state
+from openprime.core.transport import Transport
+from openprime.diloco.config import RecoveryMode
+from openprime.diloco.outer import OuterState
+
+log = logging.getLogger("openprime.diloco.recovery")
+
+
+class ExtraState(ABC):
+    """A node's own state beyond the global weights that a joiner takes from its donor (inner optimizer)."""
+
+    @abstractmethod
+    def own_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """(tensors by name, msgpack-able metadata) of this node now."""
+
+    @abstractmethod
+    def load_own_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """Adopt a donor's `own_state`."""
+
+
+class Recovery:
+    """Both sides of live recovery for one DiLoCo replica."""
+
+    def __init__(self, state: OuterState, mode: RecoveryMode, extra: ExtraState | None = None) -> None:
+        self.state, self.mode, self.extra = state, mode, extra
+        self.origin = uuid.uuid4().hex  # which donor the own state came from: chunks of it are not mixed
+        self.fetch = StateFetch(targets={"theta": state.theta, "momentum": state.momentum})
+        self.num_donated = 0
+        self._background: threading.Thread | None = None
+        self._background_deadline = 0.0
+
+    # ------------------------------------------------------------------ donor
+
+    def _offer(self, counters: dict[str, int], *, snapshot: bool) -> StateOffer:
+        own, meta = self.extra.own_state() if self.extra is not None else ({}, {})
+        if snapshot:  # sent while training changes them
+            own = {k: v.detach().clone() for k, v in own.items()}
+        return StateOffer(step=counters["num_outer_steps_done"], origin=self.origin,
+                          state_hash=self.state.state_hash(), shared={"theta": self.state.theta,
+                                                                      "momentum": self.state.momentum},
+                          own=own, meta={**counters, "extra": meta})
+
+    def donate(self, t: Transport, ranks: Sequence[int], *, deadline: float, counters: dict[str, int]) -> list[int]:
+        """In the try: offer the state to each joiner and send what it asks for now; returns those that asked
+        for it after the commit (non-blocking)."""
+        offer = self._offer(counters, snapshot=False)
+        later = []
+        for rank in ranks:
+            report = send_state(t, rank, offer, deadline=deadline)
+            self.num_donated += report.num_chunks
+            if report.later:
+                later.append(rank)
+            elif report.num_chunks:
+                log.info("sent %d chunks (%.1f MB) of the state to rank %d in %.2fs", report.num_chunks,
+                         report.num_bytes / 1e6, rank, report.seconds)
+        return later
+
+    def donate_later(self, t: Transport, ranks: Sequence[int], *, deadline: float, counters: dict[str, int]) -> None:
+        """After the commit: send the new state to the non-blocking joiners from a background thread."""
+        offer = self._offer(counters, snapshot=True)
+
+        def run() -> None:
+            for rank in ranks:
+                try:
+                    report = send_state(t, rank, offer, deadline=deadline)
+                    self.num_donated += report.num_chunks
+                    log.info("sent the state of outer step %d to rank %d in the background (%.1f MB, %.2fs)",
+                             offer.header["step"], rank, report.num_bytes / 1e6, report.seconds)
+                except OpenPrimeError as e:  # the joiner died: nothing else is affected
+                    log.warning("background state transfer to rank %d failed: %s", rank, e)
+
+        self.finish_background()
+        self._background_deadline = deadline
+        self._background = threading.Thread(target=run, name="diloco-donate", daemon=True)
+        self._background.start()
+
+    def finish_background(self) -> None:
+        """Wait for a background send (bounded by its deadline) before the transport is used or replaced."""
+        if self._background is not None:
+            self._background.join(timeout=max(0.0, self._background_deadline - time.monotonic()) + 5.0)
+            if self._background.is_alive():
+                log.error("the background state transfer outlived its deadline; continuing without it")
+            self._background = None
+
+    # ------------------------------------------------------------------ joiner
+
+    def receive(self, t: Transport, donor: int, *, deadline: float, later: bool) -> dict[str, Any] | None:
+        """Take the donor's offer and the chunks still missing; install the state once complete.
+
+        Returns the offer's metadata (step counters) when the state is complete and its hash checks out;
+        None while it is incomplete. PeerFailure propagates (progress kept for the next donor).
+        """
+        if not self.fetch.fetch(t, donor, deadline=deadline, later=later):
+            return None
+        header = self.fetch.header
+        if self.state.state_hash() != header["state_hash"]:
+            log.error("the state received from rank %d hashes to %s, not the %s it was offered as; fetching it "
+                      "again", donor, self.state.state_hash(), header["state_hash"])
+            self.fetch = StateFetch(targets={"theta": self.state.theta, "momentum": self.state.momentum})
+            return None
+        if self.extra is not None:
+            own = {k: v for k, v in self.fetch.tensors.items() if k not in ("theta", "momentum")}
+            self.extra.load_own_state(own, header["meta"]["extra"])
+        self.state.copy_to_params()
+        meta = dict(header["meta"])
+        self.fetch = StateFetch(targets={"theta": self.state.theta, "momentum": self.state.momentum})
+        return meta
+
+
+__all__ = ["ExtraState", "Recovery", "RecoveryMode"]

@@ -1,0 +1,100 @@
+"""Live recovery inside DiLoCo: a joiner gets the global state and the donor's inner optimizer state.
+
+Three replicas run as threads over LocalTransports; a scripted membership admits replica 2 as new at
+the first outer step (donor: replica 0), as the mesh does. In both modes the joiner must end the outer
+step with exactly the others' global state hash and the donor's optimizer state.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from openprime.core.membership import Membership, Round
+from openprime.core.testing import local_group, run_threads
+from openprime.core.timeouts import Timeouts
+from openprime.diloco import DiLoCo, DiLoCoConfig, ExtraState, RecoveryMode
+
+
+class Admits(Membership):
+    """Every try uses one group; `new` ranks are listed as new while they report no state."""
+
+    def __init__(self, transport, barrier: threading.Barrier) -> None:
+        self.transport, self.barrier = transport, barrier
+
+    def begin(self, step, attempt, *, state_hash, hash_step) -> Round:
+        stateless = state_hash is None
+        self.barrier.wait(timeout=10)
+        Admits.stateless[self.transport.rank] = stateless
+        self.barrier.wait(timeout=10)
+        flags = tuple(r for r, s in sorted(Admits.stateless.items()) if s)
+        return Round(transport=self.transport, step=Admits.step if stateless else step, attempt=attempt,
+                     new_ranks=flags, donor_rank=0)
+
+    def commit(self, step, attempt, ok) -> bool:
+        assert ok
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+class FakeOptimizer(ExtraState):
+    def __init__(self, value: float) -> None:
+        self.tensors = {"exp_avg": torch.full((5, 3), value), "step": torch.tensor(value)}
+        self.loaded_meta = None
+
+    def own_state(self):
+        return self.tensors, {"betas": [0.9, 0.95]}
+
+    def load_own_state(self, tensors, meta):
+        self.tensors = {k: v.clone() for k, v in tensors.items()}
+        self.loaded_meta = meta
+
+
+@pytest.mark.parametrize("mode", [RecoveryMode.BLOCKING, RecoveryMode.NON_BLOCKING])
+def test_a_joiner_ends_its_first_outer_step_identical(mode):
+    Admits.stateless, Admits.step = {}, 2
+    theta0 = torch.randn(300, generator=torch.Generator().manual_seed(0))
+    config = DiLoCoConfig(num_inner_steps=5, recovery=mode)
+    transports, barrier = local_group(3), threading.Barrier(3)
+    params = [torch.nn.Parameter(theta0.clone() if r < 2 else torch.zeros(300)) for r in range(3)]
+    extras = [FakeOptimizer(float(r + 1)) for r in range(3)]
+    dilocos = [DiLoCo([params[r]], config=config, timeouts=Timeouts(op_s=10.0), membership=Admits(t, barrier),
+                      joining=r == 2, extra=extras[r]) for r, t in enumerate(transports)]
+    for d in dilocos[:2]:  # the run is at outer step 2
+        d.num_outer_steps_done, d.num_inner_steps_done = 2, 15
+    with torch.no_grad():
+        params[0].add_(0.1)
+        params[1].sub_(0.3)
+
+    def member(r):
+        return dilocos[r].sync()
+
+    def joiner():
+        result = dilocos[2].sync(contribute=False)
+        assert dilocos[2].has_state
+        return result
+
+    results = run_threads([lambda: member(0), lambda: member(1), joiner])
+    assert [r.num_contributors for r in results] == [2, 2, 2]
+    assert results[2].received_state and extras[2].loaded_meta == {"betas": [0.9, 0.95]}
+    assert torch.equal(extras[2].tensors["exp_avg"], torch.full((5, 3), 1.0))  # the donor's (replica 0's)
+    assert dilocos[2].num_outer_steps_done == 3
+    if mode is RecoveryMode.BLOCKING:
+        assert len({r.state_hash for r in results}) == 1 and not dilocos[2].behind
+        assert torch.equal(params[2].detach(), params[0].detach())
+        assert dilocos[2].num_inner_steps_done == 15
+    else:  # got the state after the commit: it sits out the next outer step, entering it with zero
+        assert dilocos[2].behind and dilocos[2].num_inner_steps_done == 15
+        assert len({r.state_hash for r in results}) == 1  # received after the others applied the step
+        with torch.no_grad():
+            params[0].add_(0.2)
+            params[1].sub_(0.1)
+        dilocos[0].num_inner_steps_done = dilocos[1].num_inner_steps_done = 20
+        Admits.stateless = {}
+        nxt = run_threads([lambda: member(0), lambda: member(1), dilocos[2].sit_out])
+        assert len({r.state_hash for r in nxt}) == 1 and [r.num_contributors for r in nxt] == [2, 2, 2]
+        assert dilocos[2].num_inner_steps_done == 20 and dilocos[2].num_outer_steps_done == 4
