@@ -43,6 +43,7 @@ from openprime.core.outbox import Chunk, ConnectionWriter, deal_message, framed_
 from openprime.core.shaping import LinkShaper
 from openprime.core.streams import StreamTransportConfig
 from openprime.core.transport import Handle, Rendezvous, Transport, as_bytes, remaining
+from openprime.transports.zmq.allocator import keep_freed_memory
 from openprime.transports.zmq.receiver import Receiver
 from openprime.transports.zmq.wire import BYE, CONTROL_MAX_BYTES, configure, endpoint, parse_control
 
@@ -98,6 +99,7 @@ class ZmqTransport(Transport):
         self._close_lock = threading.Lock()
         self._out = {p: _OutLink(LinkShaper(config.shaping)) for p in range(world_size) if p != rank}
         self._store = connect_store(rendezvous, config.connect_timeout_s, suffix="/zmq")
+        keep_freed_memory()  # libzmq's receive buffers would otherwise come back as fresh pages (allocator.py)
         # One I/O thread: the receiver's reasoning about connection ends relies on one thread emitting a
         # connection's accept event and pushing its messages (receiver.py); it moves several GB/s.
         self._ctx = zmq.Context(io_threads=1)
