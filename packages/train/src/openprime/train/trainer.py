@@ -123,74 +123,119 @@ def train_step(model: Llama, opt: torch.optim.Optimizer, sched: torch.optim.lr_s
     return loss.ce.item()
 
 
+class Node:
+    """What one node holds while it trains: model, optimizer, schedule, membership, data, checkpoints."""
+
+    def __init__(self, cfg: RunConfig, *, node: int, coordinator: str, run_dir: pathlib.Path,
+                 resume: Checkpoint | None) -> None:
+        self.cfg, self.node, self.coordinator, self.run_dir = cfg, node, coordinator, run_dir
+        self.model = Llama(cfg.model)
+        self.model.init_weights(seed=cfg.train.seed)
+        self.opt = build_optimizer(self.model, cfg.optim)
+        self.sched = build_lr_scheduler(self.opt, num_warmup_steps=cfg.schedule.num_warmup_steps,
+                                        num_decay_steps=cfg.schedule.num_decay_steps,
+                                        num_steps=cfg.train.num_steps, shape=cfg.schedule.decay_shape)
+        self.mesh = join_mesh(cfg, coordinator, slot=slot_of_part(resume.parts[node]) if resume else -1)
+        self.metrics = MetricsWriter(run_dir, node)
+        self.ckpt: Checkpointer | None = None
+        # The run is under way: get its state at the next outer step (a resumed run restarts all its nodes).
+        self.joining = self.mesh.client.joined_epoch > 0 and resume is None
+        self.diloco = DiLoCo(self.model.parameters(), config=cfg.diloco, timeouts=cfg.timeouts, membership=self.mesh,
+                             codec=codec_for(cfg.diloco.compression), joining=self.joining,
+                             extra=InnerOptimizerState(self.model, self.opt))
+        self.batches: PackedBatches | None = None
+
+    def start(self, resume: Checkpoint | None) -> None:
+        """Catch up with a run under way, or continue from a checkpoint; then open data and checkpoints."""
+        if self.joining:
+            result = self.catch_up(rejoin=False)
+            _report_outer(self.metrics, self.node, self.diloco.num_inner_steps_done, result)
+        else:
+            self._open_slot()
+        if resume is not None:
+            restore_node(load_node_part(resume, self.mesh.client.slot, self.model), model=self.model, opt=self.opt,
+                         sched=self.sched, diloco=self.diloco, batches=self.batches)
+            say(f"[node {self.node}] resumed from {resume.path} at inner step {self.diloco.num_inner_steps_done} "
+                f"(outer step {self.diloco.num_outer_steps_done})")
+        self.metrics.write("start", node_id=self.mesh.client.node, slot=self.mesh.client.slot, joining=self.joining,
+                           resumed_from=str(resume.path) if resume else "", step=self.diloco.num_inner_steps_done,
+                           state_hash=self.diloco.state.state_hash())
+
+    def catch_up(self, *, rejoin: bool) -> OuterStepResult:
+        """Take the run's state from a live peer at the next outer step (as a new node after an eviction)."""
+        self.mesh, result = catch_up(self.cfg, self.coordinator, self.diloco, self.mesh, rejoin=rejoin)
+        follow_schedule(self.sched, self.diloco.num_inner_steps_done)
+        self._open_slot()
+        return result
+
+    def _open_slot(self) -> None:
+        """This node's data shard and checkpoint part follow its data slot, which a rejoin may change."""
+        self.batches = build_batches(self.cfg, self.mesh.client.slot)
+        if self.ckpt is not None:
+            self.ckpt.close()
+        if self.cfg.checkpoint.mode is not SaveMode.OFF:
+            self.ckpt = node_checkpointer(self.cfg.checkpoint, self.run_dir, self.mesh.client.slot)
+
+    def checkpoint_due(self, stopping: bool) -> bool:
+        done = self.diloco.num_inner_steps_done
+        return self.ckpt is not None and (stopping or done % self.cfg.checkpoint.interval_steps == 0
+                                          or done == self.cfg.train.num_steps)
+
+    def save(self) -> None:
+        """Checkpoint this node's part of the outer step just done; the parts are the slots of its members."""
+        assert self.ckpt is not None and self.batches is not None
+        state = node_state(model=self.model, opt=self.opt, sched=self.sched, diloco=self.diloco,
+                           batches=self.batches, model_cfg=self.cfg.model)
+        previous = self.ckpt.wait()
+        view = self.mesh.view
+        parts = [part_name(slot) for _, slot in view.slots] if view else [self.ckpt.part]
+        if self.ckpt.part not in parts:
+            parts.append(self.ckpt.part)
+        step = self.diloco.num_inner_steps_done
+        blocking_s = self.ckpt.save(step, state, parts=parts)
+        self.metrics.write("checkpoint", step=step, blocking_s=blocking_s, parts=parts,
+                           previous_total_s=previous.total_s if previous else None,
+                           previous_failed=bool(previous and previous.path is None))
+
+    def close(self) -> None:
+        if self.ckpt is not None:
+            self.ckpt.close()  # the last save is on disk before the process ends
+        self.metrics.close()
+        self.mesh.close()
+
+
 def run_node(cfg: RunConfig, *, node: int, coordinator: str, run_dir: pathlib.Path, num_threads: int = 1,
              resume: Checkpoint | None = None) -> NodeSummary:
     """Train one node to the end of the run (or to train.stop_after_outer_steps); `resume`: continue from
     that checkpoint's part number `node` (the launcher starts as many nodes as the checkpoint has parts)."""
     torch.set_num_threads(num_threads)
-    model = Llama(cfg.model)
-    model.init_weights(seed=cfg.train.seed)
-    opt = build_optimizer(model, cfg.optim)
-    sched = build_lr_scheduler(opt, num_warmup_steps=cfg.schedule.num_warmup_steps,
-                               num_decay_steps=cfg.schedule.num_decay_steps, num_steps=cfg.train.num_steps,
-                               shape=cfg.schedule.decay_shape)
-    mesh = join_mesh(cfg, coordinator, slot=slot_of_part(resume.parts[node]) if resume else -1)
-    # The run is under way: get its state at the next outer step (a resumed run restarts all its nodes).
-    joining = mesh.client.joined_epoch > 0 and resume is None
-    metrics = MetricsWriter(run_dir, node)
-    ckpt = None
+    n = Node(cfg, node=node, coordinator=coordinator, run_dir=run_dir, resume=resume)
     try:
-        diloco = DiLoCo(model.parameters(), config=cfg.diloco, timeouts=cfg.timeouts, membership=mesh,
-                        codec=codec_for(cfg.diloco.compression), joining=joining,
-                        extra=InnerOptimizerState(model, opt))
-        if joining:
-            mesh, result = catch_up(cfg, coordinator, diloco, mesh, rejoin=False)
-            follow_schedule(sched, diloco.num_inner_steps_done)
-            _report_outer(metrics, node, diloco.num_inner_steps_done, result)
-        batches = build_batches(cfg, mesh.client.slot)
-        if resume is not None:
-            restore_node(load_node_part(resume, mesh.client.slot, model), model=model, opt=opt, sched=sched,
-                         diloco=diloco, batches=batches)
-            say(f"[node {node}] resumed from {resume.path} at inner step {diloco.num_inner_steps_done} "
-                f"(outer step {diloco.num_outer_steps_done})")
-        metrics.write("start", node_id=mesh.client.node, slot=mesh.client.slot, joining=joining,
-                      resumed_from=str(resume.path) if resume else "", step=diloco.num_inner_steps_done,
-                      state_hash=diloco.state.state_hash())
-        if cfg.checkpoint.mode is not SaveMode.OFF:
-            ckpt = node_checkpointer(cfg.checkpoint, run_dir, mesh.client.slot)
-        stop_at = cfg.train.stop_after_outer_steps
+        n.start(resume)
+        diloco, stop_at = n.diloco, cfg.train.stop_after_outer_steps
         if stop_at and diloco.num_outer_steps_done >= stop_at:
             say(f"[node {node}] already past train.stop_after_outer_steps={stop_at}: running to the end")
             stop_at = 0
         tokens_per_step, sent = cfg.train.batch_size * cfg.train.seq_len, 0
         losses, outer, window_start = [], None, time.monotonic()
         while (step := diloco.num_inner_steps_done + 1) <= cfg.train.num_steps:
-            inputs_BL, targets_BL = next(batches)
-            lr = sched.get_last_lr()[0]
-            losses.append(train_step(model, opt, sched, inputs_BL, targets_BL, cfg))
-            metrics.write("step", step=step, loss=losses[-1], lr=lr)
+            inputs_BL, targets_BL = next(n.batches)
+            lr = n.sched.get_last_lr()[0]
+            losses.append(train_step(n.model, n.opt, n.sched, inputs_BL, targets_BL, cfg))
+            n.metrics.write("step", step=step, loss=losses[-1], lr=lr)
             try:
                 result = diloco.step()
             except Evicted as e:  # frozen or cut off: come back as a new node with the others' state
                 say(f"[node {node}] {e}")
-                mesh, result = catch_up(cfg, coordinator, diloco, mesh, rejoin=True)
-                batches = build_batches(cfg, mesh.client.slot)
-                if ckpt is not None:  # a new data slot: its own checkpoint part
-                    ckpt.close()
-                    ckpt = node_checkpointer(cfg.checkpoint, run_dir, mesh.client.slot)
-                metrics.write("rejoined", node_id=mesh.client.node, slot=mesh.client.slot,
-                              step=diloco.num_inner_steps_done)
-            if result is not None and result.received_state:  # admitted late: where the run is
-                follow_schedule(sched, diloco.num_inner_steps_done)
+                result = n.catch_up(rejoin=True)
+                n.metrics.write("rejoined", node_id=n.mesh.client.node, slot=n.mesh.client.slot,
+                                step=diloco.num_inner_steps_done)
             if result is not None:
                 outer, sent = result, sent + result.bytes_sent
-                _report_outer(metrics, node, step, result)
+                _report_outer(n.metrics, node, step, result)
                 stopping = bool(stop_at) and diloco.num_outer_steps_done >= stop_at
-                if ckpt is not None and (stopping or diloco.num_inner_steps_done % cfg.checkpoint.interval_steps == 0
-                                         or diloco.num_inner_steps_done == cfg.train.num_steps):
-                    _save(ckpt, metrics, mesh, node_state(model=model, opt=opt, sched=sched, diloco=diloco,
-                                                          batches=batches, model_cfg=cfg.model),
-                          diloco.num_inner_steps_done)
+                if n.checkpoint_due(stopping):
+                    n.save()
                 if stopping:
                     say(f"[node {node}] stopping after outer step {stop_at} (train.stop_after_outer_steps); "
                         f"continue with --resume latest")
@@ -204,27 +249,12 @@ def run_node(cfg: RunConfig, *, node: int, coordinator: str, run_dir: pathlib.Pa
                               last_loss=losses[-1] if losses else float("nan"),
                               num_outer_steps=diloco.num_outer_steps_done,
                               last_hash=outer.state_hash if outer else "", bytes_sent=sent)
-        if ckpt is not None:
-            ckpt.close()  # the last save must be on disk before the node reports its end
-        metrics.write("end", **attrs.asdict(summary))
+        if n.ckpt is not None:
+            n.ckpt.close()  # the last save is on disk before the node reports its end
+        n.metrics.write("end", **attrs.asdict(summary))
         return summary
     finally:
-        if ckpt is not None:
-            ckpt.close()
-        metrics.close()
-        mesh.close()
-
-
-def _save(ckpt: Checkpointer, metrics: MetricsWriter, mesh: ElasticDeviceMesh, state: dict, step: int) -> None:
-    """Checkpoint this node's part of the outer step just done; the parts are the slots of its members."""
-    previous = ckpt.wait()
-    parts = [part_name(slot) for _, slot in mesh.view.slots] if mesh.view else [ckpt.part]
-    if ckpt.part not in parts:
-        parts.append(ckpt.part)
-    blocking_s = ckpt.save(step, state, parts=parts)
-    metrics.write("checkpoint", step=step, blocking_s=blocking_s, parts=parts,
-                  previous_total_s=previous.total_s if previous else None,
-                  previous_failed=bool(previous and previous.path is None))
+        n.close()
 
 
 def _report_outer(metrics: MetricsWriter, node: int, step: int, r: OuterStepResult) -> None:
