@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from openprime.core.errors import PeerFailure
-from openprime.core.state_transfer import TAG_STATE, StateFetch, StateOffer, send_state
+from openprime.core.state_transfer import TAG_STATE, StateCorrupt, StateFetch, StateOffer, send_state
 from openprime.core.testing import local_group, run_threads
 from openprime.core.transport import Handle, Transport
 
@@ -116,3 +116,18 @@ def test_later_asks_for_nothing_now_and_a_new_step_starts_over():
                  lambda: fetch.fetch(joiner_t, 0, deadline=deadline)])
     assert fetch.complete and fetch.step == 4 and set(fetch.tensors) == {"theta", "momentum"}
     assert torch.equal(fetch.tensors["momentum"], shared_state(5)["momentum"])
+
+
+def test_an_offer_that_is_not_the_agreed_state_is_refused():
+    donor_t, joiner_t = local_group(2)
+    fetch = StateFetch()
+    deadline = time.monotonic() + 30
+    outcome = {}
+
+    def joiner():
+        with pytest.raises(StateCorrupt, match="offered a state hashing to h3, not the h-agreed the members agreed"):
+            fetch.fetch(joiner_t, 0, deadline=deadline, expected_hash="h-agreed")
+        outcome["refused"] = True
+
+    report, _ = run_threads([lambda: send_state(donor_t, 1, offer("A", 1), deadline=deadline), joiner])
+    assert outcome["refused"] and report.num_chunks == 0 and not fetch.received  # the donor was not left waiting

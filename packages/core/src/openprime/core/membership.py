@@ -28,6 +28,7 @@ class Round:
     skip: bool = False  # the tries are used up: no member applies anything this outer step
     new_ranks: tuple[int, ...] = ()  # members admitted at this barrier: they receive the state first
     donor_rank: int = 0  # the member that sends them the state
+    state_hash: str | None = None  # the hash the members agreed on after the previous outer step, if known
 
 
 class Membership(ABC):

@@ -219,13 +219,20 @@ class StateFetch:
     def step(self) -> int | None:
         return None if self.header is None else int(self.header["step"])
 
-    def fetch(self, transport: Transport, donor: int, *, deadline: float, later: bool = False) -> bool:
+    def fetch(self, transport: Transport, donor: int, *, deadline: float, later: bool = False,
+              expected_hash: str | None = None) -> bool:
         """Take the donor's offer and the chunks still missing; returns whether the state is complete.
 
         With `later` the joiner asks for nothing now unless it already holds part of this very offer
-        (then it finishes it now). PeerFailure propagates with the progress kept for the next donor.
+        (then it finishes it now). An offer whose state hash is not `expected_hash` (the one the members
+        agreed on) is refused with StateCorrupt. PeerFailure propagates with the progress kept for the
+        next donor.
         """
         offer = _recv_packed(transport, donor, TAG_STATE_OFFER, deadline, MAX_OFFER_BYTES)
+        if expected_hash is not None and offer.get("state_hash") != expected_hash:
+            _send_packed(transport, donor, TAG_STATE_WANT, {"chunks": [], "later": False}, deadline)
+            raise StateCorrupt(f"donor {donor} offered a state hashing to {offer.get('state_hash')}, not the "
+                               f"{expected_hash} the members agreed on; refused")
         self._adopt(offer, donor)
         missing = [i for i in range(self._layout.num_chunks) if i not in self.received]
         now = missing if (not later or self.received) else []

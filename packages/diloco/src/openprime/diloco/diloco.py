@@ -81,6 +81,7 @@ class DiLoCo:
         # A non-blocking joiner that received the state after a commit has not trained this outer step's
         # inner steps: it should `sit_out` the next outer step rather than make everyone wait for it.
         self.behind = False
+        self._agreed_hash: str | None = None
 
     @property
     def has_state(self) -> bool:
@@ -195,7 +196,8 @@ class DiLoCo:
             self._donate_later = self.recovery.donate(t, rnd.new_ranks, deadline=deadline, counters=self._counters())
         elif t.rank in rnd.new_ranks and not self.has_state:
             later = self.config.recovery is RecoveryMode.NON_BLOCKING
-            self._install(self.recovery.receive(t, rnd.donor_rank, deadline=deadline, later=later))
+            self._install(self.recovery.receive(t, rnd.donor_rank, deadline=deadline, later=later,
+                                                expected_hash=rnd.state_hash))
 
     def _after_commit(self, rnd: Round) -> None:
         """Non-blocking recovery: the donor sends the new state in the background; the joiner receives it."""
@@ -205,7 +207,8 @@ class DiLoCo:
             self.recovery.donate_later(t, ranks, deadline=self._deadline(t), counters=self._counters())
         elif t.rank in rnd.new_ranks and not self.has_state and self.config.recovery is RecoveryMode.NON_BLOCKING:
             try:
-                self._install(self.recovery.receive(t, rnd.donor_rank, deadline=self._deadline(t), later=False))
+                self._install(self.recovery.receive(t, rnd.donor_rank, deadline=self._deadline(t), later=False,
+                                                    expected_hash=self._agreed_hash))
                 self.behind = self.has_state
             except (PeerFailure, StateCorrupt) as e:  # the next barrier finds it without state again
                 log.warning("receiving the state from rank %d failed: %s; finishing it at the next outer step",
@@ -228,7 +231,9 @@ class DiLoCo:
             # A member left after applying; the coordinator still compares the hashes at the next barrier.
             log.warning("could not compare state hashes after outer step %d: %s", self.num_outer_steps_done, e)
             return mine
-        if len({h for h in hashes if h is not None}) > 1:
+        voted = {h for h in hashes if h is not None}
+        self._agreed_hash = next(iter(voted)) if len(voted) == 1 else None  # what a non-blocking joiner checks
+        if len(voted) > 1:
             listing = ", ".join(f"rank {r}: {h}" for r, h in enumerate(hashes))
             raise ReplicaDivergence(
                 f"global state differs across replicas after outer step {self.num_outer_steps_done} ({listing})"

@@ -118,13 +118,14 @@ class Recovery:
 
     # ------------------------------------------------------------------ joiner
 
-    def receive(self, t: Transport, donor: int, *, deadline: float, later: bool) -> dict[str, Any] | None:
+    def receive(self, t: Transport, donor: int, *, deadline: float, later: bool,
+                expected_hash: str | None = None) -> dict[str, Any] | None:
         """Take the donor's offer and the chunks still missing; install the state once complete.
 
         Returns the offer's metadata (step counters) when the state is complete and its hash checks out;
         None while it is incomplete. PeerFailure propagates (progress kept for the next donor).
         """
-        if not self.fetch.fetch(t, donor, deadline=deadline, later=later):
+        if not self.fetch.fetch(t, donor, deadline=deadline, later=later, expected_hash=expected_hash):
             return None
         header = self.fetch.header
         if self.state.state_hash() != header["state_hash"]:

@@ -48,6 +48,7 @@ class View:
     attempt: int
     skip: bool
     slots: tuple[tuple[str, int], ...]  # (node, data slot) in ring order
+    state_hash: str | None = None  # the members' agreed hash of the global state after the previous outer step
 
     def rank_of(self, node: str) -> int:
         return self.members.index(node)
@@ -155,7 +156,7 @@ class MeshClient:
             reply = self._request(self._sock, "sync", deadline, step=step, attempt=attempt, **extra)
         view = View(epoch=reply["epoch"], members=tuple(reply["members"]), new=tuple(reply["new"]),
                     step=reply["step"], attempt=reply["attempt"], skip=reply["skip"],
-                    slots=tuple((n, s) for n, s in reply["slots"]))
+                    slots=tuple((n, s) for n, s in reply["slots"]), state_hash=reply.get("state_hash"))
         self.view, self.store = view, reply.get("store", self.store)
         return view
 

@@ -291,7 +291,12 @@ class Coordinator:
         # Members that report no state (a transfer that broke, or a node admitted earlier without it) get it
         # from a donor at this barrier, as joiners do.
         stateless = [m for m in live_members if self._waiting[m][2].get("stateless") is True]
+        # The hash the members agree their state has (after the previous outer step): joiners check what a
+        # donor sends them against it.
+        reported = {self.hashes.get(step - 1, {}).get(m) for m in live_members} - {None}
+        agreed = reported.pop() if len(reported) == 1 else None
         view = {"op": "view", "epoch": self.epoch, "members": members, "new": joiners + stateless, "step": step,
+                "state_hash": agreed,
                 "attempt": attempt, "skip": skip, "slots": [[m, self.nodes[m].slot] for m in members],
                 "store": self.store}
         self._committee = Committee(step=step, attempt=attempt, members=frozenset(members))

@@ -96,12 +96,12 @@ class ElasticDeviceMesh(Membership):
             view = self.client.sync(step, attempt, state_hash=state_hash, hash_step=hash_step, bandwidth=bandwidth,
                                     stateless=state_hash is None)
             reply = {"view": [view.epoch, list(view.members), list(view.new), view.step, view.attempt, view.skip,
-                              [list(s) for s in view.slots]], "node": self.client.node,
+                              [list(s) for s in view.slots], view.state_hash], "node": self.client.node,
                      "store": self.client.store}
         shared = self._share(reply)
-        epoch, members, new, v_step, v_attempt, skip, slots = shared["view"]
+        epoch, members, new, v_step, v_attempt, skip, slots, agreed = shared["view"]
         view = View(epoch=epoch, members=tuple(members), new=tuple(new), step=v_step, attempt=v_attempt, skip=skip,
-                    slots=tuple((n, s) for n, s in slots))
+                    slots=tuple((n, s) for n, s in slots), state_hash=agreed)
         self.view = view
         rank = view.rank_of(shared["node"])
         if self._transport is None or epoch != self._epoch or attempt > 0:
@@ -109,7 +109,7 @@ class ElasticDeviceMesh(Membership):
         old = [r for r, n in enumerate(view.members) if n not in view.new]
         new_ranks = tuple(r for r, n in enumerate(view.members) if n in view.new) if old else ()
         return Round(transport=self._transport, step=v_step, attempt=v_attempt, skip=skip, new_ranks=new_ranks,
-                     donor_rank=old[0] if old else 0)
+                     donor_rank=old[0] if old else 0, state_hash=agreed)
 
     def _rebuild(self, view: View, rank: int, store: str) -> None:
         if self._transport is not None:
