@@ -12,8 +12,12 @@ Transport between the donor and the joiner:
    its own.
 2. joiner -> donor, tag TAG_STATE_WANT: the chunks it still needs (msgpack list), and whether it wants
    the rest later (the non-blocking mode of openprime.diloco).
-3. donor -> joiner, tag TAG_STATE: each wanted chunk, in order: an (index, CRC-32) header and the chunk's
-   bytes, received straight into the joiner's tensors. The joiner checks every CRC; a chunk that fails
+3. donor -> joiner, tag TAG_STATE: each wanted chunk, in order: an (index, checksum) header and the
+   chunk's bytes, received straight into the joiner's tensors, two chunks in flight so that the
+   checksums overlap the transfer. The checksum is XXH3-64 (xxhash): about 13 GB/s per core here,
+   where zlib's CRC-32 managed 2.4 GB/s and two passes of it (donor and joiner) cost more CPU than the
+   loopback transfer itself; it catches corruption, not forgery (authentication is the transport's).
+   The joiner checks every chunk; a chunk that fails
    is logged and left missing (the transfer still reads every chunk, so the tags stay in step), to be
    fetched again from the next offer. At the end the caller checks the whole-state hash against the
    mesh's.
@@ -25,15 +29,16 @@ rest; chunks of a donor's own tensors are kept only from the same donor (same or
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
-import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 import msgpack
 import torch
+import xxhash
 
 from openprime.core.errors import OpenPrimeError
 from openprime.core.transport import Handle, Transport, as_bytes
@@ -42,7 +47,8 @@ log = logging.getLogger("openprime.core.state_transfer")
 TAG_STATE = 4
 TAG_STATE_OFFER = 6
 TAG_STATE_WANT = 7
-CHUNK_BYTES = 16 << 20  # large enough to stream at full rate, small enough that a broken transfer loses little
+CHUNK_BYTES = 64 << 20  # large enough to stream at full rate; a broken transfer loses at most this much
+IN_FLIGHT = 3  # chunks posted ahead on each side (64 MiB x 2: tcp 0.67, x 3: 0.72 of p2p on loopback)
 
 
 class StateCorrupt(OpenPrimeError):
@@ -130,11 +136,13 @@ class _Layout:
         return out
 
 
-def _crc(views: Sequence[torch.Tensor]) -> int:
-    crc = 0
+def _checksum(views: Sequence[torch.Tensor]) -> int:
+    """XXH3-64 of the chunk's bytes, as a signed 64-bit int (it travels in an int64 header)."""
+    h = xxhash.xxh3_64()
     for v in views:
-        crc = zlib.crc32(v.numpy(), crc)  # zlib releases the GIL on large buffers
-    return crc
+        h.update(v.numpy())  # xxhash releases the GIL on large buffers
+    digest = h.intdigest()
+    return digest - (1 << 64) if digest >= 1 << 63 else digest
 
 
 def _send_packed(transport: Transport, peer: int, tag: int, obj: Any, deadline: float) -> None:
@@ -172,25 +180,25 @@ class SendReport:
 
 def send_state(transport: Transport, peer: int, offer: StateOffer, *, deadline: float,
                only_header: bool = False) -> SendReport:
-    """Donor side: offer the state, then send the chunks the joiner asks for (one in flight while the
-    next one's CRC is computed). `only_header`: offer it, but send no chunk now even if asked."""
+    """Donor side: offer the state, then send the chunks the joiner asks for (IN_FLIGHT of them while the
+    next one's checksum is computed). `only_header`: offer it, but send no chunk now even if asked."""
     start = time.monotonic()
     _send_packed(transport, peer, TAG_STATE_OFFER, offer.header, deadline)
     want = _recv_packed(transport, peer, TAG_STATE_WANT, deadline, MAX_OFFER_BYTES)
     chunks = [] if only_header else [int(i) for i in want.get("chunks", [])]
     if any(not 0 <= i < offer.layout.num_chunks for i in chunks):
         raise StateCorrupt(f"peer {peer} asked for a chunk outside [0, {offer.layout.num_chunks})")
-    in_flight: Handle | None = None
+    in_flight: collections.deque[Handle] = collections.deque()
     sent = 0
     for i in chunks:
         views = offer.chunk_views(i)
-        header = torch.tensor([i, _crc(views)], dtype=torch.int64)
-        if in_flight is not None:
-            in_flight.wait()
-        in_flight = transport.isend(peer, TAG_STATE, [header, *views], deadline=deadline)
+        header = torch.tensor([i, _checksum(views)], dtype=torch.int64)
+        if len(in_flight) == IN_FLIGHT:
+            in_flight.popleft().wait()
+        in_flight.append(transport.isend(peer, TAG_STATE, [header, *views], deadline=deadline))
         sent += sum(v.numel() for v in views)
-    if in_flight is not None:
-        in_flight.wait()
+    while in_flight:
+        in_flight.popleft().wait()
     return SendReport(num_chunks=len(chunks), num_bytes=sent, seconds=time.monotonic() - start,
                       later=bool(want.get("later")))
 
@@ -238,18 +246,20 @@ class StateFetch:
         now = missing if (not later or self.received) else []
         _send_packed(transport, donor, TAG_STATE_WANT, {"chunks": now, "later": later and not now}, deadline)
         views = [as_bytes(t) for t in self.tensors.values()]
-        header = [torch.zeros(2, dtype=torch.int64) for _ in range(2)]
-        pending = None
+        headers = [torch.zeros(2, dtype=torch.int64) for _ in now]
+        posted: collections.deque[Handle] = collections.deque()
+
+        def post(k: int) -> None:
+            if k < len(now):
+                posted.append(transport.irecv(donor, TAG_STATE, [headers[k], *self._layout.views(views, now[k])],
+                                              deadline=deadline))
+
+        for k in range(IN_FLIGHT):
+            post(k)
         for k, i in enumerate(now):
-            # Post the next receive before checking this chunk, so the check overlaps the transfer.
-            handle = transport.irecv(donor, TAG_STATE, [header[k % 2], *self._layout.views(views, i)],
-                                     deadline=deadline)
-            if pending is not None:
-                self._check(*pending, views, donor)
-            handle.wait()
-            pending = (i, header[k % 2].clone())
-        if pending is not None:
-            self._check(*pending, views, donor)
+            posted.popleft().wait()
+            post(k + IN_FLIGHT)  # keep IN_FLIGHT receives posted while this chunk is checked
+            self._check(i, headers[k], views, donor)
         return self.complete
 
     def _adopt(self, offer: dict[str, Any], donor: int) -> None:
@@ -277,13 +287,13 @@ class StateFetch:
         return torch.empty(spec.shape, dtype=dtype)
 
     def _check(self, index: int, header: torch.Tensor, views: list[torch.Tensor], donor: int) -> None:
-        got_index, crc = (int(x) for x in header)
+        got_index, checksum = (int(x) for x in header)
         if got_index != index:
             raise StateCorrupt(f"donor {donor} sent chunk {got_index} where chunk {index} was expected")
         self.num_chunks_fetched += 1
-        if _crc(self._layout.views(views, index)) != crc:
+        if _checksum(self._layout.views(views, index)) != checksum:
             self.num_corrupt += 1
-            log.warning("chunk %d of the state from donor %d does not match its CRC-32; it will be fetched again",
+            log.warning("chunk %d of the state from donor %d does not match its checksum; it will be fetched again",
                         index, donor)
             return
         self.received.add(index)

@@ -244,6 +244,6 @@ class DiLoCo:
                 sent: int, received: int, all_reduce_s: float, start: float) -> OuterStepResult:
         return OuterStepResult(outer_step=step + 1, num_contributors=num_contributors, num_members=num_members,
                                num_tries=num_tries, skipped=skipped, received_state=self._received_state,
-                               state_hash=self.state.state_hash() if self.has_state else "",
+                               state_hash=self._last_hash or "",
                                bytes_sent=sent, bytes_received=received, all_reduce_s=all_reduce_s,
                                total_s=time.monotonic() - start)

@@ -21,10 +21,10 @@ node's own weights (plain training).
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 
 import torch
+import xxhash
 
 from openprime.diloco.config import OuterOptimizer
 
@@ -73,8 +73,12 @@ class OuterState:
                 p.copy_(view.view_as(p))
 
     def state_hash(self) -> str:
-        """A hash of the global weights and outer momentum: equal on every replica after an outer step."""
-        h = hashlib.blake2b(digest_size=16)
-        h.update(self.theta.numpy().data)
-        h.update(self.momentum.numpy().data)
+        """A hash of the global weights and outer momentum: equal on every replica after an outer step.
+
+        XXH3-128: about 12 GB/s per core here, where BLAKE2b managed 1 GB/s, i.e. 90 s per outer step for
+        the 80 GB of a 10B model's weights and momentum. It detects drift and corruption, not forgery.
+        """
+        h = xxhash.xxh3_128()
+        h.update(self.theta.numpy())
+        h.update(self.momentum.numpy())
         return h.hexdigest()

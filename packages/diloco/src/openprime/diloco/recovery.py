@@ -2,7 +2,7 @@
 
 At a barrier, the members that report no state (new nodes, or nodes whose earlier transfer broke) are
 the view's `new_ranks`; its `donor_rank` offers them the state over the try's transport with
-openprime.core.state_transfer (chunked, CRC-checked, resumable from another donor). What travels: the
+openprime.core.state_transfer (chunked, checksummed, resumable from another donor). What travels: the
 global weights and outer momentum (shared: identical on every replica), the step counters, and the
 donor's own node state if the caller provides it (`ExtraState`: the inner optimizer), which the joiner
 adopts as a warm start.
