@@ -11,7 +11,7 @@ Llama-3 vocabulary size so that the config is whole and the model is the paper's
 """
 
 from openprime.ckpt import CheckpointConfig, SaveMode
-from openprime.diloco import DiLoCoConfig, OuterOptimizer
+from openprime.diloco import Compression, DiLoCoConfig, OuterOptimizer
 from openprime.train.config import OptimizerConfig, RunConfig, TrainConfig
 from openprime.train.data import DataConfig
 from openprime.train.model import FLAVORS
@@ -30,8 +30,9 @@ def config() -> RunConfig:
         schedule=ScheduleConfig(num_warmup_steps=1000, num_decay_steps=NUM_STEPS - STABLE_UNTIL_STEP,
                                 decay_shape=DecayShape.ONE_MINUS_SQRT),
         train=TrainConfig(num_steps=NUM_STEPS, seq_len=8192, batch_size=128, z_loss_weight=2e-4),
+        # int8 pseudo-gradients every 100 inner steps: 400x fewer bytes than data parallel (section 2.3).
         diloco=DiLoCoConfig(num_inner_steps=100, outer_lr=0.7, outer_momentum=0.9,
-                            outer_optimizer=OuterOptimizer.NESTEROV),
+                            outer_optimizer=OuterOptimizer.NESTEROV, compression=Compression.INT8),
         # A checkpoint at every outer step, written while the next inner steps run; two kept.
         checkpoint=CheckpointConfig(mode=SaveMode.ASYNC, interval_steps=100, num_keep=2),
     )

@@ -4,6 +4,8 @@
                          [--join HOST:PORT] [--resume latest|PATH] [--set key=value ...] [--dry-run]
     openprime mesh serve [--bind tcp://0.0.0.0:29500] [--min-nodes N] [--set key=value ...]
     openprime export RUN_OR_CHECKPOINT OUT_DIR [--dtype float32|bfloat16]
+    openprime plan RECIPE --nodes N --bandwidth 1.6gbit [--gpus-per-node 8] [--gpu h100] [--mfu 0.433]
+                          [--set key=value ...]
 
 Everything about an experiment lives in its recipe; a site file holds what belongs to the network
 (transport, addresses, secret, shaping, timeouts); `--set` changes one config field for one run and
@@ -68,7 +70,34 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("out_dir", type=pathlib.Path, metavar="OUT_DIR", help="new directory to write")
     export.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="dtype of the exported weights (default float32)")
+    plan = commands.add_parser("plan", help="memory, compute and communication of a recipe, computed by hand")
+    plan.add_argument("recipe", type=pathlib.Path, help="path of the recipe file, e.g. recipes/intellect1_10b.py")
+    plan.add_argument("--nodes", type=int, required=True, help="number of nodes (DiLoCo replicas)")
+    plan.add_argument("--bandwidth", required=True, metavar="RATE",
+                      help="bandwidth of each node to its ring neighbour, e.g. 1.6gbit, 500mbit, 100MB/s")
+    plan.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node, FSDP inside it (default 8)")
+    plan.add_argument("--gpu", default="h100", help="h100, h200 or a100 (default h100)")
+    plan.add_argument("--mfu", type=float, default=None,
+                      help="MFU of the inner steps as a fraction (default 0.433, the paper's without communication)")
+    plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                      help="override one config field, e.g. --set diloco.compression=int8 (repeatable)")
     return parser
+
+
+def print_plan(args: argparse.Namespace) -> int:
+    """`openprime plan`: the planner's numbers; exit status 1 if the model does not fit the GPUs."""
+    from openprime.train import planner
+
+    try:
+        cfg = recipe_config(args.recipe, args.overrides)
+        mfu = planner.NO_COMM_MFU if args.mfu is None else args.mfu
+        plan = planner.plan_run(cfg, num_nodes=args.nodes, bandwidth_bps=planner.parse_bandwidth(args.bandwidth),
+                                gpus_per_node=args.gpus_per_node, gpu=args.gpu, mfu=mfu)
+    except ConfigError as e:
+        print(f"openprime: error: {e}", file=sys.stderr)
+        return 2
+    print(f"plan of {cfg.name!r} ({args.recipe})\n{planner.format_plan(plan)}")
+    return 0 if plan.fits else 1
 
 
 def export_model(args: argparse.Namespace) -> int:
@@ -133,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         return serve_mesh(args)
     if args.command == "export":
         return export_model(args)
+    if args.command == "plan":
+        return print_plan(args)
     try:
         if args.nodes < 1:
             raise ConfigError(f"--nodes must be >= 1, got {args.nodes}")

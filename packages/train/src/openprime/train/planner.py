@@ -1,0 +1,305 @@
+"""The planner: what a run costs before it starts (INTELLECT-1, arXiv 2412.01152, sections 2.1-2.3 and 3.2).
+
+`plan_run` takes a run's config, the nodes, their GPUs and the bandwidth between nodes, and works out by
+hand: the parameters; the memory of one GPU under FSDP2 and whether it fits; the host memory DiLoCo keeps
+per node; FLOPs per token and the time of an inner step at a given MFU; the bytes each node sends per
+outer step (fp32 and int8) against data-parallel training; the all-reduce time and compute utilisation.
+
+The paper's numbers it reproduces: 100 inner steps of 128 x 8192 tokens take about 38 minutes on 8xH100
+at 43.3% MFU (section 3.1, Table 2); int8 pseudo-gradients every H = 100 steps send about 400x fewer bytes
+than fp32 data parallel (section 3.1); compute utilisation is compute / (compute + all-reduce), which
+with the median all-reduce times of Table 2 gives 95.7 / 85.6 / 83.0 %.
+
+Memory follows torchtitan and PRIME (FSDP2, `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`):
+parameters, gradients and AdamW's two moments are fp32 and sharded over the node's GPUs; each FSDP unit is
+all-gathered in bf16 only while it computes; every block is activation-checkpointed. Everything here is
+an estimate of the steady state: allocator fragmentation, CUDA context and NCCL buffers (a few GiB) are
+left out, so treat "fits" with less than ~10% to spare as "probably not".
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import attrs
+
+from openprime.core.collectives import SEGMENT_NUMEL
+from openprime.core.errors import ConfigError
+from openprime.diloco.config import Compression
+from openprime.train.config import RunConfig
+from openprime.train.model import count_parameters, num_flops_per_token
+
+GiB = 2**30
+NO_COMM_MFU = 0.433  # INTELLECT-1's MFU without communication (Table 2, "Baseline")
+CODEBOOK_BYTES = 256 * 4  # the int8 codec's codebook: 256 fp32 bucket means per encoded segment
+BF16, FP32 = 2, 4
+
+
+@attrs.frozen(kw_only=True)
+class GPU:
+    """What the planner needs to know of an accelerator."""
+
+    name: str
+    memory_bytes: int  # HBM as marketed; a few hundred MiB of it are not usable
+    peak_flops: float  # dense bf16 tensor-core FLOP/s (no sparsity), the denominator of MFU
+
+
+GPUS: dict[str, GPU] = {
+    "h100": GPU(name="H100 SXM", memory_bytes=80 * GiB, peak_flops=989e12),
+    "h200": GPU(name="H200 SXM", memory_bytes=141 * GiB, peak_flops=989e12),
+    "a100": GPU(name="A100 SXM", memory_bytes=80 * GiB, peak_flops=312e12),
+}
+
+
+@attrs.frozen(kw_only=True)
+class Plan:
+    """Every number of a plan; bytes are bytes, times seconds, fractions in [0, 1]."""
+
+    num_nodes: int
+    gpus_per_node: int
+    gpu: GPU
+    bandwidth_bps: float  # bits per second each node gets to its ring neighbour
+    num_inner_steps: int  # H
+    compression: Compression  # the run's pseudo-gradient encoding
+    num_params: int
+    # memory of one GPU
+    weights_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    gathered_bytes: float
+    activations_bytes: float
+    gpu_bytes: float
+    fits: bool
+    # host memory of one node for the DiLoCo state
+    host_bytes: float
+    # compute
+    flops_per_token: int
+    attention_flops_per_token: int
+    tokens_per_inner_step: int  # per node
+    mfu: float
+    inner_step_s: float
+    compute_s: float  # H inner steps
+    # communication per node per outer step
+    fp32_bytes: float
+    int8_bytes: float
+    dp_bytes: float  # fp32 gradients all-reduced at each of the H inner steps
+    fp32_all_reduce_s: float
+    int8_all_reduce_s: float
+
+    @property
+    def shortfall_bytes(self) -> float:
+        """How much more memory one GPU would need (0 when it fits)."""
+        return max(0.0, self.gpu_bytes - self.gpu.memory_bytes)
+
+    @property
+    def all_reduce_s(self) -> float:
+        """The all-reduce time with the run's own encoding."""
+        return self.int8_all_reduce_s if self.compression is Compression.INT8 else self.fp32_all_reduce_s
+
+    def utilisation(self, all_reduce_s: float) -> float:
+        """Share of the wall clock spent computing: the paper's "compute utilization" (Table 2)."""
+        return self.compute_s / (self.compute_s + all_reduce_s)
+
+    @property
+    def compute_utilisation(self) -> float:
+        return self.utilisation(self.all_reduce_s)
+
+    def reduction(self, sent_bytes: float) -> float:
+        """How many times fewer bytes than data parallel (nan with one node, which sends nothing)."""
+        return self.dp_bytes / sent_bytes if sent_bytes else math.nan
+
+
+def plan_run(cfg: RunConfig, *, num_nodes: int, bandwidth_bps: float, gpus_per_node: int = 8,
+             gpu: str | GPU = "h100", mfu: float = NO_COMM_MFU, micro_batch_size: int = 1,
+             latency_s: float = 0.0) -> Plan:
+    """The plan of `cfg` on `num_nodes` nodes of `gpus_per_node` GPUs, `bandwidth_bps` between nodes.
+
+    `gpu` names a row of GPUS or is a GPU of your own; `mfu` is the model FLOPs utilisation of the
+    inner steps (default: the paper's 43.3% without communication); `micro_batch_size` the sequences
+    per GPU per forward (activation memory); `latency_s` the one-way latency between ring neighbours,
+    paid once per step of the ring.
+    """
+    _check(num_nodes=num_nodes, bandwidth_bps=bandwidth_bps, gpus_per_node=gpus_per_node, gpu=gpu, mfu=mfu,
+           micro_batch_size=micro_batch_size, latency_s=latency_s, batch_size=cfg.train.batch_size)
+    device = gpu if isinstance(gpu, GPU) else GPUS[gpu]
+    m, seq_len, h = cfg.model, cfg.train.seq_len, cfg.diloco.num_inner_steps
+    p = count_parameters(m)
+    memory = _gpu_memory(cfg, gpus_per_node, micro_batch_size)
+
+    # Compute. One inner step is batch_size sequences per node, spread over the node's GPUs (data
+    # parallel inside the node, gradient accumulation over micro-batches); MFU is achieved FLOP/s over
+    # peak, so the step takes FLOPs / (GPUs * peak * MFU).
+    flops_per_token = num_flops_per_token(m, seq_len)
+    tokens = cfg.train.batch_size * seq_len
+    inner_step_s = tokens * flops_per_token / (gpus_per_node * device.peak_flops * mfu)
+
+    # Communication. A ring all-reduce over n nodes makes every node send 2(n-1)/n of the payload
+    # (reduce-scatter then all-gather). PRIME runs one ring per local rank, each carrying that rank's
+    # FSDP shard, so a node's rings together carry the whole model over the node's link.
+    ring = 2 * (num_nodes - 1) / num_nodes
+    fp32_bytes = ring * FP32 * p
+    int8_bytes = ring * (p + CODEBOOK_BYTES * _num_segments(p, gpus_per_node, num_nodes))
+    # Data parallel all-reduces the fp32 gradients (FSDP2's reduce_dtype) at every one of the H steps.
+    dp_bytes = h * ring * FP32 * p
+    ring_latency_s = 2 * (num_nodes - 1) * latency_s
+    return Plan(
+        num_nodes=num_nodes, gpus_per_node=gpus_per_node, gpu=device, bandwidth_bps=float(bandwidth_bps),
+        num_inner_steps=h, compression=cfg.diloco.compression, num_params=p, **memory,
+        gpu_bytes=sum(memory.values()), fits=sum(memory.values()) <= device.memory_bytes,
+        # DiLoCo's host state (openprime.diloco.outer.OuterState): fp32 global weights, outer momentum
+        # and pseudo-gradient, 12 bytes per parameter; sharded over the local ranks, the same per node.
+        host_bytes=3 * FP32 * p,
+        flops_per_token=flops_per_token, attention_flops_per_token=12 * m.num_layers * m.dim * seq_len,
+        tokens_per_inner_step=tokens, mfu=mfu, inner_step_s=inner_step_s, compute_s=h * inner_step_s,
+        fp32_bytes=fp32_bytes, int8_bytes=int8_bytes, dp_bytes=dp_bytes,
+        fp32_all_reduce_s=8 * fp32_bytes / bandwidth_bps + ring_latency_s,
+        int8_all_reduce_s=8 * int8_bytes / bandwidth_bps + ring_latency_s,
+    )
+
+
+def _gpu_memory(cfg: RunConfig, gpus: int, micro_batch_size: int) -> dict[str, float]:
+    """Bytes of one GPU under FSDP2 over `gpus` ranks with full activation checkpointing."""
+    m, seq_len = cfg.model, cfg.train.seq_len
+    p = count_parameters(m)
+    root = 2 * m.vocab_size * m.dim + m.dim  # embedding, output layer, final norm: FSDP's root unit
+    block = (p - root) // m.num_layers
+    # Sharded state: fp32 parameters (the master copy AdamW updates), fp32 gradients (reduce-scattered
+    # in fp32), AdamW's exp_avg and exp_avg_sq: 4 + 4 + 8 = 16 bytes per parameter, divided by the ranks.
+    # Gathered bf16 copies: the root unit stays unsharded through forward and backward (2 bytes each for
+    # its 2VD parameters, 1 GiB at 10B), plus the block computing and the one prefetched; their unsharded
+    # gradients exist as long again, before the reduce-scatter: x2.
+    gathered = 2 * BF16 * (root + 2 * block)
+    # Activations, per sequence of the micro-batch: checkpointing keeps only each block's input (bf16,
+    # L*D per layer) and recomputes one block at a time in backward, which then holds that block's saved
+    # tensors: per token the norms' inputs and outputs, q, k, v, the attention output (4D + D + 2*K*E)
+    # and the SwiGLU's w1, w3, silu(w1) and their product (4F), bf16. The output layer's fp32 logits and
+    # the log-softmax that cross-entropy keeps for backward are 2 * L * V * 4 bytes: 8 GiB at 8192 x 128256,
+    # more than all the checkpointed block inputs together.
+    kv = m.num_kv_heads * m.head_dim
+    per_block_token = BF16 * (5 * m.dim + 2 * kv + 4 * m.ffn_hidden_dim)
+    per_sequence = (m.num_layers * seq_len * m.dim * BF16 + seq_len * per_block_token
+                    + 2 * seq_len * m.vocab_size * FP32)
+    return {"weights_bytes": FP32 * p / gpus, "grads_bytes": FP32 * p / gpus, "optimizer_bytes": 2 * FP32 * p / gpus,
+            "gathered_bytes": gathered, "activations_bytes": micro_batch_size * per_sequence}
+
+
+def _num_segments(num_params: int, gpus_per_node: int, num_nodes: int) -> int:
+    """Codebooks in one int8 all-reduce: one per message of at most SEGMENT_NUMEL values.
+
+    Each local rank's shard (p / gpus) is cut into one chunk per node (openprime.core.collectives), and
+    each chunk into segments that are encoded, and so carry a codebook, separately.
+    """
+    chunk = math.ceil(math.ceil(num_params / gpus_per_node) / num_nodes)
+    return gpus_per_node * num_nodes * math.ceil(chunk / SEGMENT_NUMEL)
+
+
+def _check(*, num_nodes: int, bandwidth_bps: float, gpus_per_node: int, gpu: str | GPU, mfu: float,
+           micro_batch_size: int, latency_s: float, batch_size: int) -> None:
+    if num_nodes < 1 or gpus_per_node < 1 or micro_batch_size < 1:
+        raise ConfigError(f"nodes, GPUs per node and micro-batch size must be >= 1, got {num_nodes}, "
+                          f"{gpus_per_node}, {micro_batch_size}")
+    if not bandwidth_bps > 0:
+        raise ConfigError(f"the bandwidth must be > 0 bits per second, got {bandwidth_bps!r}")
+    if not isinstance(gpu, GPU) and gpu not in GPUS:
+        raise ConfigError(f"unknown GPU {gpu!r}; known: {', '.join(GPUS)}")
+    if not 0 < mfu <= 1:
+        raise ConfigError(f"MFU is a fraction in (0, 1], got {mfu!r} (43.3% is 0.433)")
+    if latency_s < 0:
+        raise ConfigError(f"latency must be >= 0 seconds, got {latency_s!r}")
+    if batch_size % (gpus_per_node * micro_batch_size):
+        raise ConfigError(f"train.batch_size {batch_size} sequences per node do not split evenly into micro-batches "
+                          f"of {micro_batch_size} over {gpus_per_node} GPUs; choose a batch size that is a "
+                          f"multiple of {gpus_per_node * micro_batch_size}")
+
+
+# ---------------------------------------------------------------- bandwidth strings
+
+_DECIMAL = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+_BINARY = {"ki": 2.0**10, "mi": 2.0**20, "gi": 2.0**30}
+BANDWIDTH_FORMS = ("1.6gbit, 500mbit, 4gbps, 1.6Gb/s (bits per second; k, m, g, t prefixes); "
+                   "100MB/s, 1.5GB/s, 200MiB/s (bytes per second: a capital B)")
+
+
+def parse_bandwidth(text: str) -> float:
+    """Bits per second from a string like "1.6gbit", "500mbit", "4Gb/s", "100MB/s" or "200MiB/s".
+
+    Prefixes are decimal (1 Gbit/s = 1e9 bit/s) except Ki, Mi, Gi. Bits are `bit`, `bps` or a small
+    `b/s`; bytes a capital `B/s` (so "MB/s" is bytes and "Mb/s" bits, as usual).
+    """
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)(?:e([+-]?\d+))?\s*([a-zA-Z]*?)(/s|ps)?\s*", text)
+    if match is None:
+        raise ConfigError(f"cannot read bandwidth {text!r}; write it like {BANDWIDTH_FORMS}")
+    number, exponent, unit, per_second = match.groups()
+    value = float(number) * 10.0 ** int(exponent or 0)
+    bits = _unit_bits(unit, per_second)
+    if bits is None:
+        raise ConfigError(f"unknown bandwidth unit in {text!r}; write it like {BANDWIDTH_FORMS}")
+    if value <= 0:
+        raise ConfigError(f"bandwidth {text!r} must be > 0")
+    return value * bits
+
+
+def _unit_bits(unit: str, per_second: str | None) -> float | None:
+    """Bits per second of one `unit`, or None if the unit is not one of the accepted forms."""
+    low = unit.lower()
+    if low.endswith("bit") and low[:-3] in _DECIMAL:  # 1.6gbit, 500mbit/s
+        return _DECIMAL[low[:-3]]
+    if not per_second or not low.endswith("b"):
+        return None  # a bare number, or an unknown word
+    prefix = low[:-1]
+    if unit.endswith("b"):  # a small b is bits: 4gbps, 1.6Gb/s
+        return _DECIMAL.get(prefix)
+    scale = _DECIMAL.get(prefix, _BINARY.get(prefix))  # 100MB/s, 200MiB/s are bytes
+    return None if scale is None else 8 * scale
+
+
+# ---------------------------------------------------------------- printing
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:8.1f} GiB"
+
+
+def _rate(bps: float) -> str:
+    return f"{bps / 1e9:.3g} Gbit/s ({bps / 8e9:.3g} GB/s)"
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as aligned lines with units, for the terminal."""
+    g = plan.gpu
+    fit = (f"fits, {(g.memory_bytes - plan.gpu_bytes) / GiB:.1f} GiB to spare" if plan.fits else
+           f"DOES NOT FIT: {plan.shortfall_bytes / GiB:.1f} GiB more than the {g.memory_bytes / GiB:.0f} GiB "
+           f"of one {g.name}; use more GPUs per node or larger GPUs")
+    lines = [
+        f"{plan.num_nodes} nodes x {plan.gpus_per_node} {g.name} ({g.memory_bytes / GiB:.0f} GiB, "
+        f"{g.peak_flops / 1e12:.0f} TFLOP/s bf16), {_rate(plan.bandwidth_bps)} per node, H = {plan.num_inner_steps}",
+        f"parameters                 {plan.num_params:,} ({plan.num_params / 1e9:.2f}B)",
+        "memory per GPU (FSDP2 over the node, full activation checkpointing)",
+        f"  weights (fp32, sharded)  {_gib(plan.weights_bytes)}",
+        f"  gradients (fp32, shard.) {_gib(plan.grads_bytes)}",
+        f"  AdamW state (2 x fp32)   {_gib(plan.optimizer_bytes)}",
+        f"  gathered bf16 units      {_gib(plan.gathered_bytes)}   root + 2 blocks, with their gradients",
+        f"  activations              {_gib(plan.activations_bytes)}   incl. fp32 logits",
+        f"  total                    {_gib(plan.gpu_bytes)}   {fit}",
+        f"host memory per node       {_gib(plan.host_bytes)}   DiLoCo: fp32 weights, momentum, pseudo-gradient",
+        f"FLOPs per token            {plan.flops_per_token / 1e9:8.1f} GFLOP   6N "
+        f"{(plan.flops_per_token - plan.attention_flops_per_token) / 1e9:.1f} + attention "
+        f"{plan.attention_flops_per_token / 1e9:.1f} (forward and backward)",
+        f"inner step                 {plan.inner_step_s:8.1f} s     {plan.tokens_per_inner_step:,} tokens per node "
+        f"at {100 * plan.mfu:.1f}% MFU",
+        f"compute per outer step     {plan.compute_s / 60:8.1f} min   {plan.num_inner_steps} inner steps",
+        "sent per node per outer step (ring all-reduce)",
+    ]
+    for name, sent, seconds in (("fp32", plan.fp32_bytes, plan.fp32_all_reduce_s),
+                                ("int8", plan.int8_bytes, plan.int8_all_reduce_s)):
+        mark = "  <- this run" if (name == "int8") == (plan.compression is Compression.INT8) else ""
+        times = plan.reduction(sent)
+        less = f"{times:6.0f}x" if math.isfinite(times) else "   n/a"
+        lines.append(f"  {name:23}  {sent / 1e9:8.2f} GB    {less} less than data parallel, "
+                     f"all-reduce {seconds / 60:5.1f} min, compute utilisation "
+                     f"{100 * plan.utilisation(seconds):5.1f}%{mark}")
+    lines.append(f"  data parallel (fp32)     {plan.dp_bytes / 1e9:8.2f} GB    gradients at each of the "
+                 f"{plan.num_inner_steps} inner steps")
+    lines.append(f"MFU with communication     {100 * plan.mfu * plan.compute_utilisation:8.1f} %")
+    return "\n".join(lines)
