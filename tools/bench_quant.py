@@ -8,6 +8,7 @@ the same way against a CUDA copy_; without CUDA that part is skipped, and the ou
 
     python tools/bench_quant.py            # 64 and 256 MiB, one thread and all threads
     python tools/bench_quant.py --quick    # 64 MiB, fewer rounds
+    python tools/bench_quant.py --native   # also the opt-in C++ path (builds it first: ~20 s once)
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from openprime.kernels import torch_ops
+from openprime.kernels import native_ops, torch_ops
 
 
 def cpu_model() -> str:
@@ -52,18 +53,19 @@ def time_rounds(fns: dict[str, Callable[[], object]], rounds: int, sync: Callabl
     return {name: (median(w for w, _ in ts), median(c for _, c in ts)) for name, ts in times.items()}
 
 
-def bench_torch(numel: int, threads: int, rounds: int) -> dict[str, float]:
+def bench_cpu(ops, numel: int, threads: int, rounds: int) -> dict[str, float]:
+    """ops: torch_ops or native_ops."""
     x = torch.randn(numel)
     y = torch.empty_like(x)
-    codes, codebook = torch_ops.quantize_int8(x)
+    codes, codebook = ops.quantize_int8(x)
     acc = torch.zeros_like(x)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         fns = {
             "copy_": lambda: y.copy_(x),
-            "quantize": lambda: torch_ops.quantize_int8(x),
-            "dequantize_add_": lambda: torch_ops.dequantize_add_(acc, codes, codebook),
+            "quantize": lambda: ops.quantize_int8(x),
+            "dequantize_add_": lambda: ops.dequantize_add_(acc, codes, codebook),
         }
         return time_rounds(fns, rounds, sync=lambda: None)
     finally:
@@ -100,7 +102,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="64 MiB only, fewer rounds")
     parser.add_argument("--sizes-mib", type=int, nargs="+", help="tensor sizes in MiB of fp32 (default 64 256)")
     parser.add_argument("--rounds", type=int, help="timed rounds per measurement (default 7, quick 3)")
+    parser.add_argument("--native", action="store_true",
+                        help="also time the opt-in C++ path (openprime.kernels.native_ops; one thread a call)")
     args = parser.parse_args()
+    native = None
+    if args.native:
+        started = time.perf_counter()
+        native = native_ops.extension()
+        build = f"built or loaded in {time.perf_counter() - started:.1f} s" if native else "could not be built"
+        print(f"C++ path (native_ops): {build}")
     sizes = args.sizes_mib or ([64] if args.quick else [64, 256])
     rounds = args.rounds or (3 if args.quick else 7)
     all_threads = torch.get_num_threads()
@@ -115,7 +125,11 @@ def main() -> None:
         numel = mib * (1 << 20) // 4
         for threads in sorted({1, all_threads}):
             label = str(threads) if threads == 1 else f"{threads} (all)"
-            print(row("torch (CPU)", mib, label, numel, bench_torch(numel, threads, rounds), cpu=True), flush=True)
+            print(row("torch (CPU)", mib, label, numel, bench_cpu(torch_ops, numel, threads, rounds), cpu=True),
+                  flush=True)
+        if native is not None:
+            print(row("C++ (CPU, opt-in)", mib, "1", numel, bench_cpu(native_ops, numel, 1, rounds), cpu=True),
+                  flush=True)
     if torch.cuda.is_available():
         try:
             import triton  # noqa: F401
@@ -127,7 +141,9 @@ def main() -> None:
             print("\nTriton path skipped: CUDA is present but triton is not installed.")
     else:
         print("\nTriton path skipped: no CUDA device here.")
-    print("\nNo torch.compile path is timed: openprime.kernels has none (see kernels/README.md).")
+    if native is None:
+        print("\nThe opt-in C++ path (native_ops) is timed with --native; no torch.compile path is timed:")
+        print("openprime.kernels has none (see kernels/README.md).")
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
 
 

@@ -1,4 +1,4 @@
-"""The int8 quantizer: the torch path against the reference, the error it makes, the codec, the ring."""
+"""The int8 quantizer: the torch (and opt-in C++) path against the reference, the error, the codec, the ring."""
 
 import math
 import subprocess
@@ -10,7 +10,16 @@ import torch
 
 from openprime.core.collectives import ring_all_reduce
 from openprime.core.testing import local_group, run_threads
-from openprime.kernels import Int8Codec, dequantize_add_, dequantize_int8, quantize_int8, reference, torch_ops
+from openprime.kernels import (
+    Int8Codec,
+    backend_for,
+    dequantize_add_,
+    dequantize_int8,
+    native_ops,
+    quantize_int8,
+    reference,
+    torch_ops,
+)
 from openprime.kernels.params import NUM_BUCKETS
 
 # Sizes around the edges: empty, one, a bucket's worth, and across the torch path's blocks and threads.
@@ -217,3 +226,68 @@ def test_codec_in_the_ring_all_reduce_keeps_replicas_identical():
 def test_importing_does_not_import_triton():
     code = "import sys, openprime.kernels; assert 'triton' not in sys.modules, 'triton imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# The opt-in C++ path (native_ops): building it takes about 20 s the first time, so these run only with
+# OPENPRIME_INT8_NATIVE=1 (which also sends the codec and ring tests above through it); the torch path
+# needs no compilation and is what the default run checks.
+native = pytest.mark.skipif(not native_ops.enabled(), reason=f"set {native_ops.ENV_FLAG}=1 to build and test it")
+
+
+@native
+def test_native_builds_and_dispatch_sends_cpu_tensors_to_it():
+    assert native_ops.extension() is not None, "OPENPRIME_INT8_NATIVE=1 but the extension did not build (see the log)"
+    assert backend_for(torch.zeros(3)) is native_ops
+
+
+@native
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n", SIZES + [1 << 20])
+def test_native_matches_reference(kind, n):
+    x = make(kind, n)
+    codes_ref, codebook_ref = reference.quantize_int8(x)
+    codes, codebook = native_ops.quantize_int8(x)
+    assert codes.dtype == torch.uint8 and codes.shape == x.shape
+    assert codebook.dtype == torch.float32 and codebook.shape == (NUM_BUCKETS,)
+    assert torch.equal(codes, codes_ref)
+    assert ulps(codebook, codebook_ref) <= 1
+    acc = make("normal", n, seed=1)
+    assert torch.equal(native_ops.dequantize_add_(acc.clone(), codes, codebook),
+                       reference.dequantize_add_(acc.clone(), codes, codebook))
+    assert torch.equal(native_ops.dequantize_int8(codes, codebook), reference.dequantize_int8(codes, codebook))
+
+
+@native
+def test_native_given_the_same_range_the_codes_are_bitwise_the_reference():
+    x = make("normal", 20_000)
+    params = reference.params_of(x)
+    edges = torch.tensor([params.lo + k / params.scale for k in range(NUM_BUCKETS + 1)], dtype=torch.float32)
+    near = torch.cat([edges, edges.nextafter(torch.tensor(math.inf)), edges.nextafter(torch.tensor(-math.inf))])
+    probe = torch.cat([x, near])
+    codes, _ = native_ops.bucketize_and_codebook(probe, params)
+    assert torch.equal(codes, reference.bucketize(probe, params))
+
+
+@native
+def test_native_noncontiguous_input_and_deterministic_bytes():
+    x = make("student_t", 6 * 7001).reshape(6, 7001)
+    codes, codebook = native_ops.quantize_int8(x.t())
+    codes_ref, _ = reference.quantize_int8(x.t().contiguous())
+    assert torch.equal(codes.contiguous(), codes_ref)
+    again = native_ops.quantize_int8(x.t())
+    assert torch.equal(again[0], codes) and torch.equal(again[1].view(torch.int32), codebook.view(torch.int32))
+
+
+@native
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_native_rejects_nan_and_inf(bad):
+    x = make("normal", 5000)
+    x[1234] = bad
+    with pytest.raises(ValueError, match=r"NaN/inf.*inner optimizer / learning rate"):
+        native_ops.quantize_int8(x)
+
+
+@native
+def test_native_bad_decode_arguments_get_the_torch_paths_errors():
+    with pytest.raises(ValueError, match="same size"):
+        native_ops.dequantize_add_(torch.zeros(5), torch.zeros(4, dtype=torch.uint8), torch.zeros(NUM_BUCKETS))

@@ -6,8 +6,9 @@
     codec = Int8Codec()                         # the same as an openprime.core Codec for ring_all_reduce
 
 Three implementations compute the same codes: `reference` (plain, the definition), `torch_ops`
-(vectorised, CPU and any device) and `triton_ops` (CUDA). CUDA tensors use Triton when it can be
-imported; everything else uses torch_ops. Importing this package imports neither triton nor compiles
+(vectorised, CPU and any device) and `triton_ops` (CUDA), plus `native_ops`, an opt-in C++ path for
+CPU (OPENPRIME_INT8_NATIVE=1; built on first use). CUDA tensors use Triton when it can be imported;
+everything else uses torch_ops, or native_ops when asked for. Importing this package imports neither triton nor compiles
 anything. The arithmetic all three share is written out in `openprime.kernels.params`.
 """
 

@@ -1,9 +1,10 @@
 """Which implementation of the int8 quantizer (paper section 2.2) runs for a tensor.
 
 CUDA tensors go to the Triton kernels when triton can be imported; everything else (CPU, or CUDA
-without triton) goes to the vectorised torch path. Triton is imported here lazily, on the first CUDA
-tensor, so `import openprime.kernels` never imports it or compiles anything, and a missing triton only
-means the torch path is used.
+without triton) goes to the vectorised torch path. With OPENPRIME_INT8_NATIVE=1, CPU tensors go to the
+C++ path (native_ops) instead, which is compiled on its first use and falls back to the torch path if it
+cannot be built. Triton is imported here lazily, on the first CUDA tensor, so `import openprime.kernels`
+never imports it or compiles anything, and a missing triton only means the torch path is used.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from types import ModuleType
 
 import torch
 
-from openprime.kernels import torch_ops
+from openprime.kernels import native_ops, torch_ops
 from openprime.kernels.params import DEFAULT_RANGE_SIGMAS
 
 log = logging.getLogger(__name__)
@@ -31,9 +32,11 @@ def _triton_ops() -> ModuleType | None:
 
 
 def backend_for(x: torch.Tensor) -> ModuleType:
-    """The module (triton_ops or torch_ops) that handles tensor x."""
+    """The module (triton_ops, native_ops or torch_ops) that handles tensor x."""
     if x.is_cuda:
         return _triton_ops() or torch_ops
+    if x.device.type == "cpu" and native_ops.available():
+        return native_ops
     return torch_ops
 
 

@@ -1,0 +1,226 @@
+"""An opt-in C++ path for the int8 quantizer (paper section 2.2) on CPU: the same arithmetic in fused loops.
+
+The torch path (torch_ops) is bound by eager ops: about 14 of them per cache block, two of them scalar
+`bincount` loops, about 2.7 ns an element on one core. Here one loop computes the float64 statistics and
+one sweep over cache-sized blocks computes the codes and the per-bucket float64 sums and counts (four
+interleaved histograms, so that repeated buckets do not serialise on one memory location), and decoding
+is a single gather(-add) loop. The arithmetic is params.py's, so the codes are the reference's and the
+codebook differs only where float64 sums in another order round to another fp32 (the tests allow 1 ulp).
+
+It is compiled with torch.utils.cpp_extension on first use (about 20 s, needs a C++ compiler; cached in
+torch's extension directory afterwards) and only when asked for: set OPENPRIME_INT8_NATIVE=1. Nothing
+compiles at import time, the tests never wait on it unless that variable is set, and a failed build
+logs a warning and leaves the torch path in charge. One thread a call (the ring's codec runs on one
+core per rank); the GIL is released while the C++ runs, so the transports' threads keep moving.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+from types import ModuleType
+
+import torch
+
+from openprime.kernels import torch_ops
+from openprime.kernels.params import (
+    DEFAULT_RANGE_SIGMAS,
+    NUM_BUCKETS,
+    QuantParams,
+    check_input,
+    check_range_sigmas,
+    finish_codebook,
+    non_finite_error,
+    quant_params,
+)
+
+log = logging.getLogger(__name__)
+
+ENV_FLAG = "OPENPRIME_INT8_NATIVE"
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <algorithm>
+#include <cstdint>
+
+namespace py = pybind11;
+
+// params.py step 1: S = sum(x - p), Q = sum((x - p)^2) in float64; x - p is exact in float64.
+// Eight interleaved partial sums, added in a fixed order: the same result on every call.
+std::vector<double> stats(const torch::Tensor& x, double pivot) {
+  const float* a = x.data_ptr<float>();
+  const int64_t n = x.numel();
+  double s[8] = {0}, q[8] = {0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int j = 0; j < 8; j++) {
+      const double d = (double)a[i + j] - pivot;
+      s[j] += d;
+      q[j] += d * d;
+    }
+  }
+  double S = 0, Q = 0;
+  for (int j = 0; j < 8; j++) { S += s[j]; Q += q[j]; }
+  for (; i < n; i++) {
+    const double d = (double)a[i] - pivot;
+    S += d;
+    Q += d * d;
+  }
+  return {S, Q};
+}
+
+// params.py steps 4 and 5: codes in fp32 (two roundings, truncation after the clamp; NaN, which the
+// statistics have already rejected, would go to 0 as in the torch path), then per-bucket float64 sums
+// and counts of the block while it is in L1.
+void bucketize(const torch::Tensor& x, torch::Tensor& codes, torch::Tensor& sums, torch::Tensor& counts,
+               double lo64, double scale64) {
+  const float* a = x.data_ptr<float>();
+  uint8_t* c = codes.data_ptr<uint8_t>();
+  const int64_t n = x.numel();
+  const float lo = (float)lo64, scale = (float)scale64;
+  constexpr int64_t kBlock = 4096;
+  constexpr int kWays = 4;
+  double hs[kWays][256] = {{0}};
+  int64_t hc[kWays][256] = {{0}};
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const int64_t e = std::min(n, b + kBlock);
+    for (int64_t i = b; i < e; i++) {
+      float t = (a[i] - lo) * scale;
+      t = !(t >= 0.f) ? 0.f : (t > 255.f ? 255.f : t);
+      c[i] = (uint8_t)(int32_t)t;
+    }
+    int64_t i = b;
+    for (; i + kWays <= e; i += kWays) {
+      for (int j = 0; j < kWays; j++) {
+        hs[j][c[i + j]] += (double)a[i + j];
+        hc[j][c[i + j]] += 1;
+      }
+    }
+    for (; i < e; i++) {
+      hs[0][c[i]] += (double)a[i];
+      hc[0][c[i]] += 1;
+    }
+  }
+  double* S = sums.data_ptr<double>();
+  int64_t* C = counts.data_ptr<int64_t>();
+  for (int k = 0; k < 256; k++) {
+    S[k] = ((hs[0][k] + hs[1][k]) + hs[2][k]) + hs[3][k];
+    C[k] = hc[0][k] + hc[1][k] + hc[2][k] + hc[3][k];
+  }
+}
+
+// out = codebook[codes], or out += codebook[codes], in fp32.
+void decode(torch::Tensor& out, const torch::Tensor& codes, const torch::Tensor& codebook, bool accumulate) {
+  float* o = out.data_ptr<float>();
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  float cb[256];
+  std::copy(codebook.data_ptr<float>(), codebook.data_ptr<float>() + 256, cb);
+  const int64_t n = out.numel();
+  if (accumulate) {
+    for (int64_t i = 0; i < n; i++) o[i] += cb[c[i]];
+  } else {
+    for (int64_t i = 0; i < n; i++) o[i] = cb[c[i]];
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("stats", &stats, py::call_guard<py::gil_scoped_release>());
+  m.def("bucketize", &bucketize, py::call_guard<py::gil_scoped_release>());
+  m.def("decode", &decode, py::call_guard<py::gil_scoped_release>());
+}
+"""
+
+# -ffp-contract=off: no FMA contraction, so every rounding is the one params.py writes down.
+_CFLAGS = ["-O3", "-march=native", "-ffp-contract=off"]
+
+
+def enabled() -> bool:
+    """Whether the caller asked for this path (OPENPRIME_INT8_NATIVE=1)."""
+    return os.environ.get(ENV_FLAG, "") not in ("", "0")
+
+
+def _cpu_signature() -> str:
+    # -march=native binds the build to this CPU: a shared extension cache must not hand it to another.
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags"))][:2]
+    except OSError:
+        lines = []
+    return platform.machine() + "".join(lines)
+
+
+@functools.cache
+def extension() -> ModuleType | None:
+    """The compiled extension (built on the first call), or None if it cannot be built here."""
+    from torch.utils.cpp_extension import load_inline
+
+    digest = hashlib.sha256((_SOURCE + " ".join(_CFLAGS) + _cpu_signature()).encode()).hexdigest()[:16]
+    try:
+        return load_inline(f"openprime_int8_{digest}", cpp_sources=[_SOURCE], extra_cflags=_CFLAGS)
+    except Exception as e:  # no compiler, no headers: the torch path serves
+        log.warning("openprime.kernels: could not build the native int8 path (%s); using the torch path", e)
+        return None
+
+
+def available() -> bool:
+    """Opted in and built (building it now if needed)."""
+    return enabled() and extension() is not None
+
+
+def bucketize_and_codebook(x_N: torch.Tensor, params: QuantParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps 4 and 5 for the flat, non-empty fp32 CPU chunk: (codes_N uint8, codebook_K fp32)."""
+    ext = extension()
+    if ext is None or x_N.numel() == 0:
+        return torch_ops.bucketize_and_codebook(x_N, params)
+    x_N = x_N.contiguous()
+    codes_N = torch.empty(x_N.numel(), dtype=torch.uint8)
+    sums_K = torch.empty(NUM_BUCKETS, dtype=torch.float64)
+    counts_K = torch.empty(NUM_BUCKETS, dtype=torch.int64)
+    ext.bucketize(x_N, codes_N, sums_K, counts_K, params.lo, params.scale)
+    return codes_N, finish_codebook(sums_K, counts_K, params)
+
+
+def quantize_int8(x: torch.Tensor, range_sigmas: float = DEFAULT_RANGE_SIGMAS) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes uint8 of x's shape, codebook float32 (256,)) for the fp32 CPU chunk x."""
+    check_input(x)
+    ext = extension()
+    if ext is None or x.device.type != "cpu" or x.numel() == 0:
+        return torch_ops.quantize_int8(x, range_sigmas)
+    x_N = x.detach().reshape(-1).contiguous()
+    n, pivot = x_N.numel(), x_N[0].item()
+    dsum, dsumsq = ext.stats(x_N, pivot)
+    params = quant_params(n, pivot, dsum, dsumsq, check_range_sigmas(range_sigmas))
+    if params is None:
+        raise non_finite_error(x_N)
+    codes_N, codebook_K = bucketize_and_codebook(x_N, params)
+    return codes_N.reshape(x.shape), codebook_K
+
+
+def _decode(out: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor, accumulate: bool) -> torch.Tensor:
+    ext = extension()
+    if ext is None or out.device.type != "cpu" or out.dtype != torch.float32 or codes.dtype != torch.uint8 \
+            or out.numel() != codes.numel() or not out.is_contiguous() or codebook.numel() != NUM_BUCKETS:
+        return torch_ops._decode(out, codes, codebook, accumulate)  # its checks and errors
+    codes_N = codes.reshape(-1).to("cpu").contiguous()
+    codebook_K = codebook.to(device="cpu", dtype=torch.float32).contiguous()
+    ext.decode(out.view(-1), codes_N, codebook_K, accumulate)
+    return out
+
+
+def dequantize_add_(acc: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """acc += codebook[codes] in fp32, in place; returns acc."""
+    return _decode(acc, codes, codebook, accumulate=True)
+
+
+def dequantize_into_(out: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """out = codebook[codes], in place; returns out."""
+    return _decode(out, codes, codebook, accumulate=False)
+
+
+def dequantize_int8(codes: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """codebook[codes] as a new float32 tensor of the codes' shape."""
+    out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
+    return dequantize_into_(out, codes, codebook)
