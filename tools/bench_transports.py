@@ -65,7 +65,7 @@ from typing import Any
 import attrs
 import torch
 
-from openprime.core.collectives import ring_all_reduce
+from openprime.core.collectives import RingBuffers, ring_all_reduce
 from openprime.core.distributed import connect_store, gloo_group
 from openprime.core.shaping import LinkShaping
 from openprime.core.streams import StreamTransportConfig
@@ -330,10 +330,11 @@ def body_all_reduce(_transport, ctx: GroupContext, factories: dict[str, Any], nu
         if isinstance(endpoint, NativeGloo):
             ops[name] = Op(run=functools.partial(_native_once, endpoint, tensor), prepare=prepare)
             continue
-        ops[name] = Op(run=functools.partial(_ring_once, endpoint, tensor, op_timeout_s), prepare=prepare)
+        ops[name] = Op(run=functools.partial(_ring_once, endpoint, tensor, op_timeout_s, None, RingBuffers()),
+                       prepare=prepare)
         if int8_codec is not None:
-            ops[name + INT8] = Op(run=functools.partial(_ring_once, endpoint, tensor, op_timeout_s, int8_codec),
-                                  prepare=prepare)
+            ops[name + INT8] = Op(run=functools.partial(_ring_once, endpoint, tensor, op_timeout_s, int8_codec,
+                                                        RingBuffers()), prepare=prepare)
     if with_int8:
         for name in factories:
             if name in errors or int8_error is not None:
@@ -349,11 +350,14 @@ def _native_once(native: NativeGloo, tensor: torch.Tensor) -> None:
     native.pg.allreduce([tensor]).wait()
 
 
-def _ring_once(transport, tensor: torch.Tensor, timeout_s: float, codec: Any = None) -> None:
-    # In place without a backup copy, as DiLoCo calls it (it recomputes its input after a failure), and as
-    # Gloo's native all-reduce works. No codec: ring_all_reduce's default, fp32.
+def _ring_once(transport, tensor: torch.Tensor, timeout_s: float, codec: Any = None,
+               buffers: RingBuffers | None = None) -> None:
+    # In place without a backup copy and with receive buffers kept from one call to the next, as DiLoCo
+    # calls it (it recomputes its input after a failure; it keeps its RingBuffers), and as Gloo's native
+    # all-reduce works. No codec: ring_all_reduce's default, fp32.
     kwargs = {} if codec is None else {"codec": codec}
-    ring_all_reduce(transport, tensor, deadline=time.monotonic() + timeout_s, restore_on_failure=False, **kwargs)
+    ring_all_reduce(transport, tensor, deadline=time.monotonic() + timeout_s, restore_on_failure=False,
+                    buffers=buffers, **kwargs)
 
 
 def _int8_codec() -> tuple[Any, str | None]:

@@ -27,7 +27,7 @@ import attrs
 import torch
 
 from openprime.core.codec import Codec, Float32Codec
-from openprime.core.collectives import all_gather_object, ring_all_reduce
+from openprime.core.collectives import RingBuffers, all_gather_object, ring_all_reduce
 from openprime.core.errors import PeerFailure, ReplicaDivergence
 from openprime.core.membership import Membership, Round, StaticMembership
 from openprime.core.state_transfer import StateCorrupt
@@ -77,6 +77,7 @@ class DiLoCo:
         self._last_hash: str | None = None if joining else self.state.state_hash()
         self._received_state = False
         self.recovery = Recovery(self.state, config.recovery, extra)
+        self._ring_buffers = RingBuffers()  # kept across outer steps: no fresh receive buffers each time
         self._donate_later: list[int] = []
         # A non-blocking joiner that received the state after a commit has not trained this outer step's
         # inner steps: it should `sit_out` the next outer step rather than make everyone wait for it.
@@ -179,7 +180,8 @@ class DiLoCo:
             flags = all_gather_object(t, contributing, deadline=self._deadline(t))
             reduce_start = time.monotonic()
             # No backup copy of delta: a failed try recomputes it from theta and the parameters.
-            ring_all_reduce(t, delta, deadline=self._deadline(t), codec=self.codec, restore_on_failure=False)
+            ring_all_reduce(t, delta, deadline=self._deadline(t), codec=self.codec, restore_on_failure=False,
+                            buffers=self._ring_buffers)
             return True, sum(bool(f) for f in flags), time.monotonic() - reduce_start  # delta holds the sum
         except (PeerFailure, StateCorrupt) as e:
             log.warning("outer step all-reduce failed on rank %d: %s", t.rank, e)
