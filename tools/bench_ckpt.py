@@ -41,12 +41,10 @@ Run (from the repository root, with the repository's virtual environment):
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import gc
 import os
 import pathlib
-import platform
 import statistics
 import sys
 import tempfile
@@ -334,19 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     targets: list[str] = []
     sections = [section_saves(opts, opts.models), section_transfer(opts, opts.models, targets)]
     load_after = os.getloadavg()
-    command = "python tools/bench_ckpt.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    report = "\n\n".join([
-        f"Command: `{command.strip()}`; {datetime.date.today().isoformat()}; {platform.node()}, {bt._cpu_count()} "
-        f"cores, torch {torch.__version__}; {time.monotonic() - started:.0f}s in all; load average (1, 5, 15 min) "
-        f"{' '.join(f'{x:.2f}' for x in load_before)} before, {' '.join(f'{x:.2f}' for x in load_after)} after. "
-        "Cells: median (min-max) over reps; ratios: median of per-rep ratios.",
-        *sections,
-        "### Targets\n\n" + "\n".join(targets),
-    ]) + "\n"
-    print(report)
-    if opts.out:
-        with open(opts.out, "w") as f:
-            f.write(report)
+    loads = f"load average {' '.join(f'{x:.2f}' for x in load_before)} before, " \
+            f"{' '.join(f'{x:.2f}' for x in load_after)} after"
+    bt.write_report("bench_ckpt.py", argv, started, sections, targets, opts.out, setting=loads)
     return 0
 
 

@@ -654,19 +654,25 @@ def main(argv: list[str] | None = None) -> int:
             sections.append(section(opts, opts.names, targets))
         except Exception:  # a bug in one section must not cost the others' numbers
             sections.append(f"### {section.__name__}: failed\n\n```\n{traceback.format_exc()}```")
-    command = "python tools/bench_transports.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    write_report("bench_transports.py", argv, started, sections, targets, opts.out, setting="loopback")
+    return 0
+
+
+def write_report(tool: str, argv: list[str] | None, started: float, sections: list[str], targets: list[str],
+                 out: str | None, *, setting: str) -> None:
+    """Print the tables after a line saying how, when and where they were measured; also write them to `out`."""
+    command = f"python tools/{tool} " + " ".join(sys.argv[1:] if argv is None else argv)
     report = "\n\n".join([
         f"Command: `{command.strip()}`; {datetime.date.today().isoformat()}; {platform.node()}, "
-        f"{_cpu_count()} cores, torch {torch.__version__}, loopback; {time.monotonic() - started:.0f}s in all. "
+        f"{_cpu_count()} cores, torch {torch.__version__}, {setting}; {time.monotonic() - started:.0f}s in all. "
         "Cells: median (min-max) over reps; ratios: median of per-rep ratios.",
         *sections,
         "### Targets\n\n" + "\n".join(targets),
     ]) + "\n"
     print(report)
-    if opts.out:
-        with open(opts.out, "w") as f:
+    if out:
+        with open(out, "w") as f:
             f.write(report)
-    return 0
 
 
 def _cpu_count() -> int:
