@@ -17,7 +17,6 @@ import threading
 import time
 import traceback
 import uuid
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -135,6 +134,26 @@ class _Done(Handle):
         return None
 
 
+class _Hub:
+    """The queues of a local group, one per (sender, receiver, tag), created under a lock.
+
+    A `defaultdict(queue.Queue)` is not enough: its factory runs Python code, so a sender and a receiver
+    that touch a new key at the same moment can each create a queue, one overwriting the other, and the
+    receiver then waits on a queue nobody puts into until its deadline (seen once as a rare
+    "deadline passed" in the DiLoCo tests).
+    """
+
+    def __init__(self) -> None:
+        self._queues: dict[tuple[int, int, int], queue_mod.Queue] = {}
+        self._lock = threading.Lock()
+
+    def __getitem__(self, key: tuple[int, int, int]) -> queue_mod.Queue:
+        with self._lock:
+            if key not in self._queues:
+                self._queues[key] = queue_mod.Queue()
+            return self._queues[key]
+
+
 class _LocalRecv(Handle):
     def __init__(self, transport: LocalTransport, peer: int, tag: int, buffers: Sequence[torch.Tensor],
                  deadline: float) -> None:
@@ -160,7 +179,7 @@ class _LocalRecv(Handle):
 class LocalTransport(Transport):
     """A Transport between threads of one process: a test double for fast, deterministic unit tests."""
 
-    def __init__(self, hub: defaultdict, rank: int, world_size: int) -> None:
+    def __init__(self, hub: _Hub, rank: int, world_size: int) -> None:
         super().__init__(rank, world_size)
         self._hub = hub
         self._closed = False
@@ -186,7 +205,7 @@ class LocalTransport(Transport):
 
 def local_group(world_size: int) -> list[LocalTransport]:
     """`world_size` LocalTransports that talk to each other through in-memory queues."""
-    hub: defaultdict = defaultdict(queue_mod.Queue)
+    hub = _Hub()
     return [LocalTransport(hub, r, world_size) for r in range(world_size)]
 
 
