@@ -46,6 +46,7 @@ def stopped(tmp_path_factory) -> pathlib.Path:
     run_dir = tmp_path_factory.mktemp("stopped") / "run"
     proc = _run(run_dir, "--set", "train.stop_after_outer_steps=3")
     assert "stopping after outer step 3" in proc.stdout
+    assert f"continue with `openprime run RECIPE --run-dir {run_dir} --resume latest`" in proc.stdout
     return run_dir
 
 

@@ -22,9 +22,10 @@ import traceback
 
 import attrs
 
-from openprime.ckpt import Checkpoint
+from openprime.ckpt import Checkpoint, list_steps
 from openprime.core.config import to_dict
 from openprime.mesh import Coordinator
+from openprime.train.checkpointing import checkpoint_root
 from openprime.train.config import RunConfig
 from openprime.train.data import prepare_data
 from openprime.train.metrics import summarize
@@ -133,11 +134,11 @@ def launch(cfg: RunConfig, *, num_nodes: int, run_dir: pathlib.Path, coordinator
     if len(failed) == len(codes):
         print("openprime: run failed: no node finished. See the log above.", file=sys.stderr)
         return 1
-    _print_summary(run_dir, time.monotonic() - start)
+    _print_summary(cfg, run_dir, time.monotonic() - start)
     return 0
 
 
-def _print_summary(run_dir: pathlib.Path, elapsed_s: float) -> None:
+def _print_summary(cfg: RunConfig, run_dir: pathlib.Path, elapsed_s: float) -> None:
     s = summarize(run_dir)
     print(f"openprime: done in {elapsed_s:.0f}s: {s.num_nodes} nodes, {s.num_outer_steps} outer steps, "
           f"global state hashes {'identical on every node after every outer step' if s.hashes_agree else 'DIFFER'}")
@@ -145,3 +146,10 @@ def _print_summary(run_dir: pathlib.Path, elapsed_s: float) -> None:
         print(f"  node {node}: loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps, "
               f"sent {s.bytes_sent.get(node, 0):,} bytes")
     print(f"  metrics: {run_dir / 'metrics.jsonl'}  config: {run_dir / 'config.json'}")
+    root = checkpoint_root(cfg.checkpoint, run_dir)
+    steps = list_steps(root)
+    if steps:
+        more = (f"continue with `openprime run RECIPE --run-dir {run_dir} --resume latest`; "
+                if steps[-1] < cfg.train.num_steps else "")
+        print(f"  checkpoints: {root} (newest: step {steps[-1]}); {more}export the model with "
+              f"`openprime export {run_dir} OUT_DIR`")
