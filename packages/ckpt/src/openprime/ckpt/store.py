@@ -61,6 +61,7 @@ class Checkpoint:
     step: int
     path: pathlib.Path
     parts: tuple[str, ...]
+    verified: bool = False  # every part's checksums were checked when it was found: reading it need not again
 
     def part(self, name: str) -> pathlib.Path:
         return self.path / name
@@ -193,7 +194,7 @@ def verify_step(root: pathlib.Path, step: int, *, checksums: bool = True) -> Che
     for part in parts:
         if part != present[0]:
             verify_manifest(path / part, checksums=checksums)
-    return Checkpoint(step=step, path=path, parts=tuple(parts))
+    return Checkpoint(step=step, path=path, parts=tuple(parts), verified=checksums)
 
 
 def latest(root: pathlib.Path, *, checksums: bool = True) -> Checkpoint:

@@ -195,7 +195,8 @@ class DiLoCo:
         t = rnd.transport
         deadline = self._deadline(t)
         if t.rank == rnd.donor_rank:
-            self._donate_later = self.recovery.donate(t, rnd.new_ranks, deadline=deadline, counters=self._counters())
+            self._donate_later = self.recovery.donate(t, rnd.new_ranks, deadline=deadline, counters=self._counters(),
+                                                      state_hash=self._last_hash)
         elif t.rank in rnd.new_ranks and not self.has_state:
             later = self.config.recovery is RecoveryMode.NON_BLOCKING
             self._install(self.recovery.receive(t, rnd.donor_rank, deadline=deadline, later=later,
@@ -206,7 +207,8 @@ class DiLoCo:
         t = rnd.transport
         if self._donate_later:
             ranks, self._donate_later = self._donate_later, []
-            self.recovery.donate_later(t, ranks, deadline=self._deadline(t), counters=self._counters())
+            self.recovery.donate_later(t, ranks, deadline=self._deadline(t), counters=self._counters(),
+                                       state_hash=self._last_hash)
         elif t.rank in rnd.new_ranks and not self.has_state and self.config.recovery is RecoveryMode.NON_BLOCKING:
             try:
                 self._install(self.recovery.receive(t, rnd.donor_rank, deadline=self._deadline(t), later=False,
@@ -222,7 +224,7 @@ class DiLoCo:
         self.num_inner_steps_done = int(meta["num_inner_steps_done"])
         self.num_outer_steps_done = int(meta["num_outer_steps_done"])
         self._received_state = True
-        self._last_hash = self.state.state_hash()
+        self._last_hash = meta["state_hash"]  # checked against the received bytes by Recovery.receive
 
     def _verify(self, t: Transport) -> str | None:
         """Compare the hash of the global state across the members; raise ReplicaDivergence if any differs."""

@@ -58,26 +58,30 @@ class Recovery:
     def __init__(self, state: OuterState, mode: RecoveryMode, extra: ExtraState | None = None) -> None:
         self.state, self.mode, self.extra = state, mode, extra
         self.origin = uuid.uuid4().hex  # which donor the own state came from: chunks of it are not mixed
-        self.fetch = StateFetch(targets={"theta": state.theta, "momentum": state.momentum})
+        self.fetch = self._new_fetch()
         self.num_donated = 0
         self._background: threading.Thread | None = None
         self._background_deadline = 0.0
 
+    def _new_fetch(self) -> StateFetch:
+        """A joiner's fetch that receives theta and momentum straight into the host buffers."""
+        return StateFetch(targets={"theta": self.state.theta, "momentum": self.state.momentum})
+
     # ------------------------------------------------------------------ donor
 
-    def _offer(self, counters: dict[str, int], *, snapshot: bool) -> StateOffer:
+    def _offer(self, counters: dict[str, int], state_hash: str, *, snapshot: bool) -> StateOffer:
         own, meta = self.extra.own_state() if self.extra is not None else ({}, {})
         if snapshot:  # sent while training changes them
             own = {k: v.detach().clone() for k, v in own.items()}
         return StateOffer(step=counters["num_outer_steps_done"], origin=self.origin,
-                          state_hash=self.state.state_hash(), shared={"theta": self.state.theta,
-                                                                      "momentum": self.state.momentum},
+                          state_hash=state_hash, shared={"theta": self.state.theta, "momentum": self.state.momentum},
                           own=own, meta={**counters, "extra": meta})
 
-    def donate(self, t: Transport, ranks: Sequence[int], *, deadline: float, counters: dict[str, int]) -> list[int]:
-        """In the try: offer the state to each joiner and send what it asks for now; returns those that asked
-        for it after the commit (non-blocking)."""
-        offer = self._offer(counters, snapshot=False)
+    def donate(self, t: Transport, ranks: Sequence[int], *, deadline: float, counters: dict[str, int],
+               state_hash: str) -> list[int]:
+        """In the try: offer the state (whose hash the caller knows) to each joiner and send what it asks for
+        now; returns those that asked for it after the commit (non-blocking)."""
+        offer = self._offer(counters, state_hash, snapshot=False)
         later = []
         for rank in ranks:
             report = send_state(t, rank, offer, deadline=deadline)
@@ -89,9 +93,10 @@ class Recovery:
                          report.num_bytes / 1e6, rank, report.seconds)
         return later
 
-    def donate_later(self, t: Transport, ranks: Sequence[int], *, deadline: float, counters: dict[str, int]) -> None:
+    def donate_later(self, t: Transport, ranks: Sequence[int], *, deadline: float, counters: dict[str, int],
+                     state_hash: str) -> None:
         """After the commit: send the new state to the non-blocking joiners from a background thread."""
-        offer = self._offer(counters, snapshot=True)
+        offer = self._offer(counters, state_hash, snapshot=True)
 
         def run() -> None:
             for rank in ranks:
@@ -122,23 +127,25 @@ class Recovery:
                 expected_hash: str | None = None) -> dict[str, Any] | None:
         """Take the donor's offer and the chunks still missing; install the state once complete.
 
-        Returns the offer's metadata (step counters) when the state is complete and its hash checks out;
-        None while it is incomplete. PeerFailure propagates (progress kept for the next donor).
+        Returns the offer's metadata (step counters, and the checked `state_hash`) when the state is complete
+        and its hash checks out; None while it is incomplete. PeerFailure propagates (progress kept for the
+        next donor).
         """
         if not self.fetch.fetch(t, donor, deadline=deadline, later=later, expected_hash=expected_hash):
             return None
         header = self.fetch.header
-        if self.state.state_hash() != header["state_hash"]:
+        received_hash = self.state.state_hash()
+        if received_hash != header["state_hash"]:
             log.error("the state received from rank %d hashes to %s, not the %s it was offered as; fetching it "
-                      "again", donor, self.state.state_hash(), header["state_hash"])
-            self.fetch = StateFetch(targets={"theta": self.state.theta, "momentum": self.state.momentum})
+                      "again", donor, received_hash, header["state_hash"])
+            self.fetch = self._new_fetch()
             return None
         if self.extra is not None:
             own = {k: v for k, v in self.fetch.tensors.items() if k not in ("theta", "momentum")}
             self.extra.load_own_state(own, header["meta"]["extra"])
         self.state.copy_to_params()
-        meta = dict(header["meta"])
-        self.fetch = StateFetch(targets={"theta": self.state.theta, "momentum": self.state.momentum})
+        meta = {**header["meta"], "state_hash": received_hash}
+        self.fetch = self._new_fetch()
         return meta
 
 

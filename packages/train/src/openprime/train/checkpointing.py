@@ -113,7 +113,9 @@ def load_node_part(checkpoint: Checkpoint, slot: int, model: torch.nn.Module) ->
                           f"(--nodes {len(checkpoint.parts)}) and add nodes with --join afterwards")
     part = checkpoint.part(name)
     check_compatible(part, {"model": model.state_dict()})
-    return read_part(part)
+    # `--resume` found the checkpoint with its checksums checked (find_checkpoint): hashing it again in every
+    # node would read every byte twice.
+    return read_part(part, verify=not checkpoint.verified)
 
 
 def model_config_from_dict(values: dict[str, Any]) -> ModelConfig:
