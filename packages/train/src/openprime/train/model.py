@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Callable
 
 import attrs
 import torch
 import torch.nn.functional as F  # noqa: N812 (the universal torch spelling)
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from openprime.core.config import config, field, one_of_enum, positive_float, positive_int
 from openprime.core.errors import ConfigError
@@ -269,7 +271,21 @@ class TransformerBlock(nn.Module):
 def _trunc_normal(weight: torch.Tensor, std: float, generator: torch.Generator | None) -> None:
     # Cut at +-3 std. (torchtitan passes absolute bounds +-2, which at std 0.02 is no cut at all; a
     # relative cut keeps the same shape for every std, including the output layer's dim**-0.5.)
-    nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=generator)
+    _fill_random(weight, lambda w: nn.init.trunc_normal_(w, mean=0.0, std=std, a=-3 * std, b=3 * std,
+                                                          generator=generator))
+
+
+def _fill_random(weight: torch.Tensor, fill: Callable[[torch.Tensor], object]) -> None:
+    """Fill `weight` in place with `fill`; a sharded (FSDP2 DTensor) weight gets the rows it holds of the full
+    tensor drawn from the same generator stream, so the initial model does not depend on the sharding."""
+    if not isinstance(weight, DTensor):
+        fill(weight)
+        return
+    local = weight.to_local()
+    full = torch.empty(weight.shape, dtype=weight.dtype, device=local.device)
+    fill(full)
+    # src_data_rank=None: every rank slices its own copy of `full`, no communication.
+    local.copy_(distribute_tensor(full, weight.device_mesh, weight.placements, src_data_rank=None).to_local())
 
 
 # ---------------------------------------------------------------- the model
@@ -299,8 +315,8 @@ class Llama(nn.Module):
 
         Embeddings N(0, 1); q, k, v and w1 N(0, 0.02); wo, w2, w3 scaled by depth (see InitScheme); norms
         ones; output N(0, dim**-0.5) (torchtitan). `seed=None` draws from torch's global generator
-        instead, for parameters (e.g. DTensors) that do not accept an explicit one. The same seed gives
-        the same weights on the same device type (CPU and CUDA generators produce different streams).
+        instead. The same seed gives the same weights on the same device type (CPU and CUDA generators
+        produce different streams), sharded or not: an FSDP2 shard holds its rows of the full draw.
         """
         device = self.tok_embeddings.weight.device
         buffer_device = torch.device(buffer_device) if buffer_device is not None else self.rope_cos.device
@@ -313,7 +329,7 @@ class Llama(nn.Module):
         if seed is not None:
             generator = torch.Generator(device=device)
             generator.manual_seed(seed)
-        nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=1.0, generator=generator)
+        _fill_random(self.tok_embeddings.weight, lambda w: nn.init.normal_(w, mean=0.0, std=1.0, generator=generator))
         for layer in self.layers.values():
             layer.init_weights(generator)
         self.norm.reset_parameters()
