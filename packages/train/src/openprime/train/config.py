@@ -26,6 +26,7 @@ from openprime.core.errors import ConfigError
 from openprime.core.streams import StreamTransportConfig
 from openprime.core.timeouts import Timeouts
 from openprime.diloco import DiLoCoConfig
+from openprime.fsdp import FSDPConfig
 from openprime.mesh import MeshConfig
 from openprime.train.data import DataConfig
 from openprime.train.model import ModelConfig
@@ -50,7 +51,11 @@ class TrainConfig:
 
     num_steps: int = field(90400, doc="inner steps of the whole run", validator=positive_int())
     seq_len: int = field(8192, doc="tokens per sequence", validator=positive_int())
-    batch_size: int = field(128, doc="sequences per node per inner step", validator=positive_int())
+    batch_size: int = field(128, doc="sequences per node per inner step (split over its local ranks)",
+                            validator=positive_int())
+    micro_batch_size: int = field(
+        0, doc="sequences per forward and backward on one local rank; gradients accumulate over the rest "
+               "of the rank's share (0: the whole share at once)", validator=non_negative_int())
     z_loss_weight: float = field(2e-4, doc="weight of the max-z auxiliary loss", validator=non_negative_float())
     seed: int = field(0, doc="seed of the weight init (the same on every node)", validator=instance_of(int))
     log_every: int = field(10, doc="print progress every this many inner steps", validator=positive_int())
@@ -103,6 +108,8 @@ class RunConfig:
                              validator=instance_of(MeshConfig))
     checkpoint: CheckpointConfig = field(factory=CheckpointConfig, doc="when and where nodes save their state",
                                          validator=instance_of(CheckpointConfig))
+    fsdp: FSDPConfig = field(factory=FSDPConfig, doc="FSDP2 inside each node: local ranks, precision, recompute",
+                             validator=instance_of(FSDPConfig))
 
     def __attrs_post_init__(self) -> None:
         if self.data.vocab_size != self.model.vocab_size:
@@ -131,8 +138,27 @@ class RunConfig:
         if self.train.stop_after_outer_steps > self.num_outer_steps:
             raise ConfigError(f"train.stop_after_outer_steps {self.train.stop_after_outer_steps} is beyond the "
                               f"run's {self.num_outer_steps} outer steps; use 0 to run to the end")
+        self._check_batch_split()
         validate_schedule(num_warmup_steps=self.schedule.num_warmup_steps,
                           num_decay_steps=self.schedule.num_decay_steps, num_steps=self.train.num_steps)
+
+    def _check_batch_split(self) -> None:
+        """batch_size = local ranks x micro-batches per rank x micro_batch_size, exactly."""
+        ranks, batch, micro = self.fsdp.num_local_ranks, self.train.batch_size, self.train.micro_batch_size
+        if batch % ranks:
+            raise ConfigError(f"train.batch_size {batch} is not divisible by fsdp.num_local_ranks {ranks}: every "
+                              f"local rank trains on an equal share of the node's batch "
+                              f"(e.g. train.batch_size={max(ranks, batch // ranks * ranks)})")
+        if micro and (batch // ranks) % micro:
+            raise ConfigError(f"train.batch_size {batch} is not divisible by train.micro_batch_size {micro} times "
+                              f"fsdp.num_local_ranks {ranks}: each local rank's share of {batch // ranks} sequences "
+                              f"must be a whole number of micro-batches (e.g. train.micro_batch_size=1)")
+
+    @property
+    def num_micro_batches(self) -> int:
+        """Forward-backward passes per local rank per inner step (gradient accumulation)."""
+        share = self.train.batch_size // self.fsdp.num_local_ranks
+        return share // self.train.micro_batch_size if self.train.micro_batch_size else 1
 
     @property
     def num_outer_steps(self) -> int:
