@@ -11,6 +11,7 @@ import pathlib
 import attrs
 
 from openprime.diloco import Compression
+from openprime.fsdp import FSDPConfig
 from openprime.train.data import DataConfig
 from openprime.train.model import FLAVORS
 from openprime.train.recipe import load_recipe
@@ -28,7 +29,9 @@ def config():
         # A tiny model trains at a far higher lr than a 10B one.
         optim=attrs.evolve(paper.optim, lr=3e-3),
         schedule=attrs.evolve(paper.schedule, num_warmup_steps=20, num_decay_steps=40),
-        train=attrs.evolve(paper.train, num_steps=200, seq_len=128, batch_size=8, log_every=20),
+        # One process per node, the whole batch in one forward: no sharding, fp32, nothing recomputed.
+        train=attrs.evolve(paper.train, num_steps=200, seq_len=128, batch_size=8, micro_batch_size=0, log_every=20),
+        fsdp=FSDPConfig(),
         # fp32 pseudo-gradients: on CPU the quantizer costs more than the bytes it saves on loopback
         # (--set diloco.compression=int8 for the paper's).
         diloco=attrs.evolve(paper.diloco, num_inner_steps=20, compression=Compression.NONE),

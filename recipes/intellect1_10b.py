@@ -3,7 +3,10 @@
 Model: Llama-3 with 42 layers (Appendix A). Inner loop: AdamW lr 7.5e-5, betas (0.9, 0.95), weight
 decay 0.1, gradient clip 1.0, 128 sequences of 8192 tokens per node per inner step, max-z-loss 2e-4.
 Schedule: warmup 1000 steps, stable until step 74,700, then a 1-sqrt cooldown to step 90,400.
-Outer loop: DiLoCo with H = 100 inner steps, Nesterov outer lr 0.7, momentum 0.9.
+Outer loop: DiLoCo with H = 100 inner steps, Nesterov outer lr 0.7, momentum 0.9, int8 pseudo-gradients.
+Inside a node: FSDP2 over 8 local ranks (8xH100), bf16 compute with fp32 gradient reduction, every block
+activation-checkpointed, micro-batch 1: each rank accumulates gradients over 16 sequences of its share.
+A checkpoint at every outer step.
 
 The real data mix (FineWeb-Edu 55, FineWeb 10, Stack 20, DCLM 10, OpenWebMath 5) loads from local files
 the user provides; until the data layer reads them, this recipe points at the offline text with the
@@ -12,6 +15,7 @@ Llama-3 vocabulary size so that the config is whole and the model is the paper's
 
 from openprime.ckpt import CheckpointConfig, SaveMode
 from openprime.diloco import Compression, DiLoCoConfig, OuterOptimizer
+from openprime.fsdp import ActivationCheckpointing, FSDPConfig, Precision
 from openprime.train.config import OptimizerConfig, RunConfig, TrainConfig
 from openprime.train.data import DataConfig
 from openprime.train.model import FLAVORS
@@ -29,10 +33,15 @@ def config() -> RunConfig:
         optim=OptimizerConfig(lr=7.5e-5, beta1=0.9, beta2=0.95, weight_decay=0.1, max_grad_norm=1.0),
         schedule=ScheduleConfig(num_warmup_steps=1000, num_decay_steps=NUM_STEPS - STABLE_UNTIL_STEP,
                                 decay_shape=DecayShape.ONE_MINUS_SQRT),
-        train=TrainConfig(num_steps=NUM_STEPS, seq_len=8192, batch_size=128, z_loss_weight=2e-4),
+        # 128 sequences per node per inner step: 16 per local rank, one at a time (gradient accumulation).
+        train=TrainConfig(num_steps=NUM_STEPS, seq_len=8192, batch_size=128, micro_batch_size=1, z_loss_weight=2e-4),
         # int8 pseudo-gradients every 100 inner steps: 400x fewer bytes than data parallel (section 2.3).
         diloco=DiLoCoConfig(num_inner_steps=100, outer_lr=0.7, outer_momentum=0.9,
                             outer_optimizer=OuterOptimizer.NESTEROV, compression=Compression.INT8),
         # A checkpoint at every outer step, written while the next inner steps run; two kept.
         checkpoint=CheckpointConfig(mode=SaveMode.ASYNC, interval_steps=100, num_keep=2),
+        # FSDP2 over the node's 8 GPUs as torchtitan and PRIME: bf16 forward and backward, fp32 gradient
+        # reduce-scatter; full activation checkpointing: 36 GiB per H100 (`openprime plan`).
+        fsdp=FSDPConfig(num_local_ranks=8, param_dtype=Precision.BF16, reduce_dtype=Precision.FP32,
+                        activation_checkpointing=ActivationCheckpointing.FULL),
     )

@@ -1,12 +1,19 @@
-"""The `openprime` command: bad input ends it at once with one message naming the field; dry runs."""
+"""The `openprime` command: bad input ends it at once with one message naming the field; dry runs that shard
+the model over a fake group of local ranks and print the plan; the GPU checks before a run starts."""
 
+import math
 import pathlib
+import re
 import subprocess
 import sys
+import time
+import types
 
 import pytest
+import torch
 
 from openprime.train.cli import main
+from openprime.train.recipe import recipe_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 DEBUG = str(ROOT / "recipes" / "debug.py")
@@ -67,6 +74,91 @@ def test_dry_run_counts_10b_without_allocating(capsys):
     out = capsys.readouterr().out
     assert "10,211,381,248 parameters (10.21B" in out
     assert "42 layers, dim 4096, 32 heads, 8 KV heads, FFN 14336, vocab 128256" in out
+    assert not torch.distributed.is_initialized(), "the fake process group must be gone"
+
+
+def _shard_by_hand(shapes: list[tuple[int, ...]], ranks: int) -> int:
+    """Parameters of local rank 0 under FSDP2: every parameter split along dim 0 into `ranks` chunks of
+    ceil(rows / ranks) rows (rank 0's chunk is always full; the last ranks' are padded up to it)."""
+    return sum(-(-shape[0] // ranks) * math.prod(shape[1:]) for shape in shapes)
+
+
+def _llama_shapes(V, D, L, H, K, E, F) -> list[tuple[int, ...]]:
+    block = [(H * E, D), (K * E, D), (K * E, D), (D, H * E), (F, D), (D, F), (F, D), (D,), (D,)]
+    return [(V, D), *block * L, (D,), (V, D)]
+
+
+def _per_rank(out: str) -> int:
+    match = re.search(r"^per local rank: ([\d,]+) parameters, ([\d,]+) bytes of fp32 weights", out, re.MULTILINE)
+    assert match, out
+    numel, nbytes = (int(g.replace(",", "")) for g in match.groups())
+    assert nbytes == 4 * numel
+    return numel
+
+
+def test_dry_run_10b_shards_over_a_fake_8_rank_group_within_a_minute():
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "openprime.train.cli", "run", TEN_B, "--dry-run", "--nodes", "2"],
+                          capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 0, proc.stderr
+    assert elapsed < 60, f"the dry run took {elapsed:.1f} s"
+    out = proc.stdout
+    # INTELLECT-1 10B over 8 ranks: every dim 0 (V = 128256, D = 4096, K*E = 1024, F = 14336) divides by 8,
+    # so each rank holds exactly P / 8, no padding.
+    hand = _shard_by_hand(_llama_shapes(V=128256, D=4096, L=42, H=32, K=8, E=128, F=14336), 8)
+    assert hand == 10_211_381_248 // 8 == 1_276_422_656
+    assert _per_rank(out) == hand
+    assert "0 parameters of dim-0 padding over the 8 ranks" in out
+    sharding = ("FSDP2 over a fake 8-rank group (meta device): 43 units (42 blocks + root), bf16 compute, fp32 "
+                "gradient reduce-scatter; micro-batch 1 x 16 accumulated per rank per inner step, activation "
+                "checkpointing full")
+    assert sharding in out
+    # The planner's plan for the node, with the same weights per GPU.
+    assert "2 nodes x 8 H100 SXM" in out and "the planner's: 4 x 10,211,381,248 / 8 = 5,105,690,624 bytes" in out
+    assert re.search(r"total +36\.2 GiB +fits, 43\.8 GiB to spare", out), out
+
+
+def test_dry_run_shards_are_padded_along_dim_0(capsys):
+    # The debug model over 3 ranks: 4096 vocabulary rows give rank 0 1366 of them (3 x 1366 = 4098: 2 rows of
+    # padding on the last rank), D = 128 gives 43 (1 row of padding), and so on for every parameter.
+    assert main(["run", DEBUG, "--dry-run", "--set", "train.batch_size=6", "--set", "fsdp.num_local_ranks=3"]) == 0
+    out = capsys.readouterr().out
+    shapes = _llama_shapes(V=4096, D=128, L=4, H=4, K=2, E=32, F=384)
+    hand = _shard_by_hand(shapes, 3)
+    assert hand == 613_763 and _per_rank(out) == hand
+    num_params = sum(math.prod(s) for s in shapes)
+    assert num_params == 1_836_160 and f"{3 * hand - num_params:,} parameters of dim-0 padding over the 3 ranks" in out
+    assert not torch.distributed.is_initialized()
+
+
+def test_dry_run_of_a_model_that_does_not_fit_says_by_how_much(capsys):
+    # 10B on one local rank of an 80 GiB H100: 16 bytes per parameter alone are 152.2 GiB.
+    assert main(["run", TEN_B, "--dry-run", "--set", "fsdp.num_local_ranks=1"]) == 2
+    captured = capsys.readouterr()
+    assert "DOES NOT FIT: 87.7 GiB more than the 80 GiB of one H100 SXM" in captured.out  # the plan, printed
+    err = captured.err
+    assert err.startswith("openprime: error: 'intellect1-10b' does not fit one H100 SXM: with 1 local rank per node "
+                          "each GPU needs 167.7 GiB, 87.7 GiB more than its 80 GiB")
+    assert "--set fsdp.num_local_ranks=4 (55.3 GiB)" in err
+    assert not torch.distributed.is_initialized()
+
+
+def test_run_checks_the_gpus_before_starting(capsys, tmp_path, monkeypatch):
+    """On a machine with CUDA, `openprime run` refuses a model that does not fit its GPUs, and more local ranks
+    than GPUs, before it writes or starts anything; on CPU there is nothing to check."""
+    from openprime.train import hardware
+
+    monkeypatch.setattr(hardware, "detect_device_type", lambda: "cuda")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: types.SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=80 * 2**30))
+    err = _fails(capsys, tmp_path, TEN_B, "--set", "fsdp.num_local_ranks=1")
+    assert "does not fit one NVIDIA H100 80GB HBM3" in err and "87.7 GiB more than its 80 GiB" in err
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    err = _fails(capsys, tmp_path, TEN_B)
+    assert "fsdp.num_local_ranks is 8, but this machine shows 4 CUDA device(s)" in err
+    hardware.check_hardware(recipe_config(DEBUG))  # the debug recipe fits one GPU
 
 
 def test_installed_command_reports_errors():

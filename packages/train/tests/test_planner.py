@@ -1,14 +1,19 @@
-"""The planner against a hand calculation for INTELLECT-1 10B, and against the paper's Table 2."""
+"""The planner against a hand calculation for INTELLECT-1 10B, and against the paper's Table 2; the fit and
+mesh-shape checks a run makes before it starts (openprime.train.hardware)."""
 
 import pathlib
+import types
 
 import attrs
 import pytest
+import torch
 
 from openprime.core.errors import ConfigError
 from openprime.diloco.config import Compression
+from openprime.fsdp import ActivationCheckpointing, Precision
 from openprime.train.cli import main
-from openprime.train.planner import GPU, GiB, format_plan, parse_bandwidth, plan_run
+from openprime.train.hardware import check_hardware, check_local_ranks
+from openprime.train.planner import GPU, GiB, check_fits, format_plan, parse_bandwidth, plan_run
 from openprime.train.recipe import recipe_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
@@ -89,11 +94,19 @@ def test_bad_bandwidth_names_the_forms(text, says):
         parse_bandwidth("0gbit")
 
 
+# Activations of one 8192-token sequence with full checkpointing, bf16 (see test_ten_b_by_hand): the 42 block
+# inputs, one recomputed block, the fp32 logits and log-softmax; fp32 doubles the first two.
+BLOCK_INPUTS, ONE_BLOCK, LOGITS = 42 * SEQ * D * 2, SEQ * 2 * (5 * D + 2 * 1024 + 4 * F), 2 * SEQ * V * 4
+GATHERED = 2 * 2 * (2 * V * D + D + 2 * 218_112_000)  # bf16 root and two blocks, with their gradients
+
+
 def test_does_not_fit_says_by_how_much(ten_b):
-    # One GPU per node holds all 16 bytes per parameter: 163.4 GB of state alone.
+    # One GPU per node: nothing is sharded (FSDP2 is applied only over >1 rank), so nothing is gathered and
+    # the model computes in fp32; the 16 bytes per parameter alone are 152.2 GiB.
     plan = plan_run(ten_b, num_nodes=14, bandwidth_bps=1e9, gpus_per_node=1)
-    assert not plan.fits
-    assert plan.gpu_bytes == 16 * P + 5_947_604_992 + 12_532_580_352
+    assert not plan.fits and plan.gpus_per_node == 1
+    assert plan.gathered_bytes == 0 and plan.activations_bytes == 2 * (BLOCK_INPUTS + ONE_BLOCK) + LOGITS
+    assert plan.gpu_bytes == 16 * P + 2 * (BLOCK_INPUTS + ONE_BLOCK) + LOGITS == 180_041_875_456
     assert plan.shortfall_bytes == plan.gpu_bytes - 80 * GiB
     assert f"DOES NOT FIT: {plan.shortfall_bytes / GiB:.1f} GiB more than the 80 GiB of one H100" in format_plan(plan)
     small = GPU(name="small GPU", memory_bytes=24 * GiB, peak_flops=100e12)
@@ -101,13 +114,102 @@ def test_does_not_fit_says_by_how_much(ten_b):
     assert "DOES NOT FIT: 12.2 GiB more than the 24 GiB of one small GPU" in format_plan(plan)
 
 
-def test_bad_arguments(ten_b):
-    with pytest.raises(ConfigError, match="unknown GPU 'b200'; known: h100, h200, a100"):
-        plan_run(ten_b, num_nodes=2, bandwidth_bps=1e9, gpu="b200")
-    with pytest.raises(ConfigError, match="0.433"):
-        plan_run(ten_b, num_nodes=2, bandwidth_bps=1e9, mfu=43.3)
-    with pytest.raises(ConfigError, match="multiple of 24"):
-        plan_run(ten_b, num_nodes=2, bandwidth_bps=1e9, gpus_per_node=24)
+def test_memory_follows_the_fsdp_config(ten_b):
+    """Local ranks, activation checkpointing, param dtype and micro-batch come from the run's config."""
+    assert (ten_b.fsdp.num_local_ranks, ten_b.train.micro_batch_size) == (8, 1)
+    full = plan_run(ten_b, num_nodes=2, bandwidth_bps=1e9)
+    assert full.gpus_per_node == 8 and full.activation_checkpointing and full.micro_batch_size == 1
+    assert full.activations_bytes == BLOCK_INPUTS + ONE_BLOCK + LOGITS == 12_532_580_352
+    assert full.gpu_bytes == 16 * P / 8 + GATHERED + 12_532_580_352 == 38_902_947_840  # 36.2 GiB: fits
+    # Without checkpointing every block keeps its saved tensors until its backward: 42 blocks, not one plus
+    # 42 inputs. 83.6 GiB: INTELLECT-1 needs the recomputation to fit 8 x 80 GiB.
+    no_ac = _evolve(ten_b, activation_checkpointing=ActivationCheckpointing.NONE)
+    plan = plan_run(no_ac, num_nodes=2, bandwidth_bps=1e9)
+    assert not plan.activation_checkpointing
+    assert plan.activations_bytes == 42 * ONE_BLOCK + LOGITS == 63_367_544_832
+    assert plan.gpu_bytes == 16 * P / 8 + GATHERED + 63_367_544_832 == 89_737_912_320
+    assert not plan.fits and "activation checkpointing none" in format_plan(plan)
+    assert plan_run(no_ac, num_nodes=2, bandwidth_bps=1e9, gpu="h200").fits
+    # The micro-batch scales the activations; 0 means the rank's whole share (128 / 8 = 16) at once.
+    two = plan_run(ten_b, num_nodes=2, bandwidth_bps=1e9, micro_batch_size=2)
+    assert two.micro_batch_size == 2 and two.activations_bytes == 2 * full.activations_bytes
+    whole = plan_run(_evolve(ten_b, micro_batch_size=0), num_nodes=2, bandwidth_bps=1e9)
+    assert whole.micro_batch_size == 16 and whole.activations_bytes == 16 * full.activations_bytes
+    # The ranks: 4 instead of 8 doubles the sharded state; fp32 compute doubles the gathered units.
+    four = plan_run(_evolve(ten_b, num_local_ranks=4), num_nodes=2, bandwidth_bps=1e9)
+    assert four.gpus_per_node == 4 and four.weights_bytes == 4 * P / 4
+    fp32 = plan_run(_evolve(ten_b, param_dtype=Precision.FP32), num_nodes=2, bandwidth_bps=1e9)
+    assert fp32.gathered_bytes == 2 * GATHERED
+    assert fp32.activations_bytes == 2 * (BLOCK_INPUTS + ONE_BLOCK) + LOGITS
+    # The debug recipe: one rank, the whole batch of 8 in one forward, fp32.
+    debug = plan_run(recipe_config(ROOT / "recipes" / "debug.py"), num_nodes=2, bandwidth_bps=1e9)
+    assert (debug.gpus_per_node, debug.micro_batch_size, debug.gathered_bytes) == (1, 8, 0)
+    assert debug.compute_dtype is Precision.FP32 and debug.fits
+
+
+def _evolve(cfg, *, micro_batch_size=None, **fsdp):
+    train = cfg.train if micro_batch_size is None else attrs.evolve(cfg.train, micro_batch_size=micro_batch_size)
+    return attrs.evolve(cfg, fsdp=attrs.evolve(cfg.fsdp, **fsdp), train=train)
+
+
+def test_check_fits_says_how_many_gib_over_and_what_to_change(ten_b):
+    check_fits(ten_b, "h100")  # the recipe: 36.2 GiB of 80
+    one_rank = _evolve(ten_b, num_local_ranks=1)
+    with pytest.raises(ConfigError) as e:
+        check_fits(one_rank, "h100")
+    over = (180_041_875_456 - 80 * GiB) / GiB  # 87.68: see test_does_not_fit_says_by_how_much
+    assert f"'intellect1-10b' does not fit one H100 SXM: with 1 local rank per node each GPU needs 167.7 GiB, " \
+           f"{over:.1f} GiB more than its 80 GiB" in str(e.value)
+    # 2 ranks: 16P/2 + GATHERED + 12,532,580,352 = 93.3 GiB, still over; 4 ranks: 55.3 GiB.
+    assert "To fit, change: more local ranks: --set fsdp.num_local_ranks=4 (55.3 GiB)" in str(e.value)
+    assert "or use GPUs with more memory" in str(e.value)
+    # Each single change with what a GPU would need after it; all of them together when none is enough.
+    lean = _evolve(ten_b, num_local_ranks=2, micro_batch_size=2, activation_checkpointing=ActivationCheckpointing.NONE)
+    with pytest.raises(ConfigError) as e:
+        check_fits(lean, "h100")
+    message = str(e.value)
+    assert "activation checkpointing: --set fsdp.activation_checkpointing=full" in message
+    assert "a smaller micro-batch: --set train.micro_batch_size=1" in message
+    assert "not enough alone" in message and "more local ranks:" not in message
+    assert ("all together: --set fsdp.activation_checkpointing=full --set train.micro_batch_size=1 "
+            "--set fsdp.num_local_ranks=4 (55.3 GiB)") in message
+
+
+def test_local_ranks_must_match_the_processes_and_the_gpus(ten_b, monkeypatch):
+    fsdp = ten_b.fsdp  # 8 local ranks
+    check_local_ranks(fsdp, device_type="cpu", local_world_size=8)
+    check_local_ranks(fsdp, device_type="cpu")  # on CPU the ranks are processes: no device to count
+    with pytest.raises(ConfigError, match="started as one of 4 local processes, but fsdp.num_local_ranks is 8: "
+                                          "start 8 processes per node, or --set fsdp.num_local_ranks=4"):
+        check_local_ranks(fsdp, device_type="cpu", local_world_size=4)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with pytest.raises(ConfigError, match=r"fsdp.num_local_ranks is 8, but this machine shows 2 CUDA device\(s\) "
+                                          r"\(CUDA_VISIBLE_DEVICES=0,1\)"):
+        check_local_ranks(fsdp, device_type="cuda")
+    check_local_ranks(attrs.evolve(fsdp, num_local_ranks=2), device_type="cuda", local_world_size=2)
+
+
+def test_check_hardware_on_cuda_only(ten_b, monkeypatch):
+    from openprime.train import hardware
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    sizes = [80 * GiB] * 7 + [32 * GiB]  # the smallest device decides
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: types.SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=sizes[i]))
+    gpu = hardware.visible_gpu(8)
+    assert gpu.memory_bytes == 32 * GiB and gpu.peak_flops == 989e12
+    with pytest.raises(ConfigError, match="does not fit one NVIDIA H100 80GB HBM3: .* 4.2 GiB more than its 32 GiB"):
+        check_hardware(ten_b, device_type="cuda")  # 36.2 GiB per GPU
+    sizes[7] = 80 * GiB
+    check_hardware(ten_b, device_type="cuda")
+    with pytest.raises(ConfigError, match="87.7 GiB more than its 80 GiB"):
+        check_hardware(_evolve(ten_b, num_local_ranks=1), device_type="cuda")
+    # Without CUDA nothing is checked: a CPU run's ranks are processes and its memory the host's.
+    check_hardware(_evolve(ten_b, num_local_ranks=1), device_type="cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert hardware.detect_device_type() == "cpu"
+    check_hardware(_evolve(ten_b, num_local_ranks=1))
 
 
 def test_one_node_sends_nothing(ten_b):
@@ -127,4 +229,9 @@ def test_cli_plan_errors(capsys):
     assert main(["plan", TEN_B, "--nodes", "14", "--bandwidth", "fast"]) == 2
     assert capsys.readouterr().err.startswith("openprime: error: cannot read bandwidth 'fast'")
     assert main(["plan", TEN_B, "--nodes", "14", "--bandwidth", "1gbit", "--gpus-per-node", "1"]) == 1
-    assert "DOES NOT FIT" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "14 nodes x 1 H100 SXM" in captured.out and "DOES NOT FIT" in captured.out
+    assert "To fit, change: more local ranks: --set fsdp.num_local_ranks=4" in captured.err
+    # --gpus-per-node defaults to the recipe's fsdp.num_local_ranks.
+    assert main(["plan", TEN_B, "--nodes", "14", "--bandwidth", "1gbit", "--set", "fsdp.num_local_ranks=4"]) == 0
+    assert "14 nodes x 4 H100 SXM" in capsys.readouterr().out

@@ -143,6 +143,11 @@ class DiLoCo:
         while True:
             rnd = self.membership.begin(step, attempt, state_hash=self._last_hash, hash_step=step - 1)
             step, attempt, t = rnd.step, rnd.attempt, rnd.transport  # a newcomer learns where the run is
+            if t.rank in rnd.new_ranks:
+                # Listed as new: this member takes the state from the donor, even one that holds a state of its
+                # own (a node whose other local ranks lost theirs, or one resumed from a checkpoint that joined
+                # a run under way: the live run is the authority).
+                self._last_hash = None
             sent0, received0 = t.bytes_sent, t.bytes_received
             if rnd.skip:
                 log.warning("outer step %d skipped after %d failed tries", step, attempt)

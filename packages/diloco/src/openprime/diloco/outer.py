@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import torch
 import xxhash
+from torch.distributed.tensor import DTensor
 
 from openprime.diloco.config import OuterOptimizer
 
@@ -46,7 +47,9 @@ class OuterState:
     """Host fp32 copies of the global weights and outer momentum, and the pseudo-gradient buffer."""
 
     def __init__(self, params: Sequence[torch.Tensor]) -> None:
-        self.params = list(params)
+        # Under FSDP2 a parameter is a DTensor and this rank holds one shard of it: the host state covers
+        # that shard only, and the all-reduce runs with the ranks of the other nodes that hold the same one.
+        self.params = [_local(p) for p in params]
         self.numel = sum(p.numel() for p in self.params)
         self.theta = torch.empty(self.numel, dtype=torch.float32)
         self.momentum = torch.zeros(self.numel, dtype=torch.float32)
@@ -82,3 +85,8 @@ class OuterState:
         h.update(self.theta.numpy())
         h.update(self.momentum.numpy())
         return h.hexdigest()
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """The part of a parameter this process holds (a view: writing it writes the parameter)."""
+    return p.detach().to_local() if isinstance(p, DTensor) else p

@@ -1,7 +1,7 @@
 """openprime.fsdp: FSDP2 inside a node, applied torchtitan-style (`apply_*` functions on an ordinary model)."""
 
 from openprime.fsdp.config import ActivationCheckpointing, FSDPConfig, Precision, ReshardPolicy
-from openprime.fsdp.local import destroy_local_mesh, fake_mesh, init_local_mesh, local_all_reduce_mean
+from openprime.fsdp.local import destroy_local_mesh, fake_mesh, init_local_mesh, local_all_reduce_mean, local_sum
 from openprime.fsdp.parallelize import (
     apply_activation_checkpointing,
     apply_fsdp,
@@ -24,6 +24,7 @@ __all__ = [
     "init_local_mesh",
     "local_all_reduce_mean",
     "local_shard",
+    "local_sum",
     "materialize",
     "parallelize",
 ]

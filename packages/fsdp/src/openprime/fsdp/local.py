@@ -44,10 +44,16 @@ def destroy_local_mesh() -> None:
         dist.destroy_process_group()
 
 
+def local_sum(values: list[float], mesh: DeviceMesh | None) -> list[float]:
+    """Element-wise sums of numbers over the node's local ranks (e.g. the bytes each rank's ring sent)."""
+    if mesh is None or mesh.size() == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, group=mesh.get_group())
+    return t.tolist()
+
+
 def local_all_reduce_mean(value: float, mesh: DeviceMesh | None) -> float:
     """The mean of a number over the node's local ranks (e.g. the loss of each rank's micro-batches)."""
-    if mesh is None or mesh.size() == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, group=mesh.get_group())
-    return float(t.item()) / mesh.size()
+    size = mesh.size() if mesh is not None else 1
+    return local_sum([value], mesh)[0] / size

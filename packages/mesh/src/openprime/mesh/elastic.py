@@ -17,16 +17,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import msgpack
 import torch
 
-from openprime.core.errors import PeerFailure
+from openprime.core.errors import OpenPrimeError, PeerFailure
 from openprime.core.membership import Membership, Round
 from openprime.core.transport import Handle, Rendezvous, Transport, TransportFactory
 from openprime.mesh.bandwidth import probe_bandwidth
-from openprime.mesh.client import MeshClient, View
+from openprime.mesh.client import Evicted, MeshClient, View
 
 log = logging.getLogger("openprime.mesh.elastic")
 
@@ -68,6 +68,9 @@ class ElasticDeviceMesh(Membership):
         self._probed_epoch = -1
         self._probe: threading.Thread | None = None
         self._measured: dict[str, float] = {}  # node -> bytes/s from it to this node, reported at the next sync
+        # Who this node is, the same on every local rank (only local rank 0 holds the client).
+        identity = self._share([client.node, client.slot, client.joined_epoch] if client is not None else None)
+        self.node_id, self.slot, self.joined_epoch = identity
 
     # ------------------------------------------------------------------ the node's local ranks
 
@@ -78,6 +81,38 @@ class ElasticDeviceMesh(Membership):
         payload = [msgpack.packb(value) if self.local_rank == 0 else None]
         torch.distributed.broadcast_object_list(payload, src=0, group=self.local_group)
         return msgpack.unpackb(payload[0], raw=False)
+
+    def _on_rank0(self, call: Callable[[], object]) -> object:
+        """Run `call` (a request to the coordinator) on local rank 0 and give every local rank its result, or
+        raise its error on every local rank: an eviction or a lost coordinator stops the whole node alike."""
+        reply: object = None
+        if self.client is not None:
+            try:
+                reply = {"ok": call()}
+            except (Evicted, PeerFailure, OpenPrimeError) as e:
+                if self.local_group is None:
+                    raise
+                reply = {"error": type(e).__name__, "message": str(e)}
+        shared = self._share(reply)
+        if "error" in shared:
+            error = {"Evicted": Evicted, "PeerFailure": None}.get(shared["error"], OpenPrimeError)
+            raise PeerFailure(-1, shared["message"]) if error is None else error(shared["message"])
+        return shared["ok"]
+
+    def _gather_hashes(self, state_hash: str | None) -> str | None:
+        """The node's hash: its local ranks' shard hashes joined by ';' in rank order (None if any rank has
+        no state, so that the coordinator lists the node as new and every rank takes the state again)."""
+        if self.local_group is None:
+            return state_hash
+        hashes: list[str | None] = [None] * torch.distributed.get_world_size(self.local_group)
+        torch.distributed.all_gather_object(hashes, state_hash, group=self.local_group)
+        return None if any(h is None for h in hashes) else ";".join(hashes)
+
+    def _own_hash(self, agreed: str | None) -> str | None:
+        """This local rank's part of the node hash the members agreed on."""
+        if agreed is None or self.local_group is None:
+            return agreed
+        return agreed.split(";")[self.local_rank]
 
     def _all_local(self, ok: bool) -> bool:
         """True when every local rank of the node succeeded."""
@@ -90,15 +125,17 @@ class ElasticDeviceMesh(Membership):
     # ------------------------------------------------------------------ Membership
 
     def begin(self, step: int, attempt: int, *, state_hash: str | None, hash_step: int) -> Round:
-        reply = None
         bandwidth = self._probe_results()
-        if self.client is not None:
-            view = self.client.sync(step, attempt, state_hash=state_hash, hash_step=hash_step, bandwidth=bandwidth,
-                                    stateless=state_hash is None)
-            reply = {"view": [view.epoch, list(view.members), list(view.new), view.step, view.attempt, view.skip,
-                              [list(s) for s in view.slots], view.state_hash], "node": self.client.node,
-                     "store": self.client.store}
-        shared = self._share(reply)
+        node_hash = self._gather_hashes(state_hash)
+
+        def sync() -> dict:
+            view = self.client.sync(step, attempt, state_hash=node_hash, hash_step=hash_step, bandwidth=bandwidth,
+                                    stateless=node_hash is None)
+            return {"view": [view.epoch, list(view.members), list(view.new), view.step, view.attempt, view.skip,
+                             [list(s) for s in view.slots], view.state_hash], "node": self.client.node,
+                    "store": self.client.store}
+
+        shared = self._on_rank0(sync)
         epoch, members, new, v_step, v_attempt, skip, slots, agreed = shared["view"]
         view = View(epoch=epoch, members=tuple(members), new=tuple(new), step=v_step, attempt=v_attempt, skip=skip,
                     slots=tuple((n, s) for n, s in slots), state_hash=agreed)
@@ -109,7 +146,7 @@ class ElasticDeviceMesh(Membership):
         old = [r for r, n in enumerate(view.members) if n not in view.new]
         new_ranks = tuple(r for r, n in enumerate(view.members) if n in view.new) if old else ()
         return Round(transport=self._transport, step=v_step, attempt=v_attempt, skip=skip, new_ranks=new_ranks,
-                     donor_rank=old[0] if old else 0, state_hash=agreed)
+                     donor_rank=old[0] if old else 0, state_hash=self._own_hash(agreed))
 
     def _rebuild(self, view: View, rank: int, store: str) -> None:
         if self._transport is not None:
@@ -130,8 +167,7 @@ class ElasticDeviceMesh(Membership):
             # their deadline (the next try builds a new group anyway).
             self._transport.close()
         ok = self._all_local(ok)
-        decision = self.client.commit(step, attempt, ok) if self.client is not None else None
-        applied = bool(self._share(decision))
+        applied = bool(self._on_rank0(lambda: self.client.commit(step, attempt, ok)))
         if applied and self._probe_bytes and self._probed_epoch != self._epoch and len(self.view.members) > 2:
             self._start_probe()
         return applied

@@ -4,13 +4,16 @@
                          [--join HOST:PORT] [--resume latest|PATH] [--set key=value ...] [--dry-run]
     openprime mesh serve [--bind tcp://0.0.0.0:29500] [--min-nodes N] [--set key=value ...]
     openprime export RUN_OR_CHECKPOINT OUT_DIR [--dtype float32|bfloat16]
-    openprime plan RECIPE --nodes N --bandwidth 1.6gbit [--gpus-per-node 8] [--gpu h100] [--mfu 0.433]
+    openprime plan RECIPE --nodes N --bandwidth 1.6gbit [--gpus-per-node N] [--gpu h100] [--mfu 0.433]
                           [--set key=value ...]
 
 Everything about an experiment lives in its recipe; a site file holds what belongs to the network
 (transport, addresses, secret, shaping, timeouts); `--set` changes one config field for one run and
 wins over both. The config is built and validated before any process starts, and a bad value ends the
-command with one message naming the field.
+command with one message naming the field; on a machine with CUDA, `run` also checks that there is a GPU
+for every local rank and that the planner's memory per GPU fits (openprime.train.hardware). `--dry-run`
+builds the model on the meta device, applies the FSDP2 plan over a fake group of the node's local ranks,
+prints the shards and the plan for H100s, and fails the same way if the model does not fit them.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import pathlib
 import signal
 import sys
 
+import attrs
 import torch
 
 from openprime.ckpt import Checkpoint, check_compatible
@@ -29,7 +33,8 @@ from openprime.core.config import override
 from openprime.core.errors import ConfigError, OpenPrimeError
 from openprime.mesh import Coordinator, MeshConfig
 from openprime.train.config import RunConfig, TransportKind
-from openprime.train.model import Llama, count_parameters, num_flops_per_token
+from openprime.train.hardware import check_hardware
+from openprime.train.model import Llama, count_parameters
 from openprime.train.recipe import loaded_recipe_files, recipe_config
 from openprime.train.site import site_overrides
 from openprime.train.transports import check_installed, codec_for
@@ -75,7 +80,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--nodes", type=int, required=True, help="number of nodes (DiLoCo replicas)")
     plan.add_argument("--bandwidth", required=True, metavar="RATE",
                       help="bandwidth of each node to its ring neighbour, e.g. 1.6gbit, 500mbit, 100MB/s")
-    plan.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node, FSDP inside it (default 8)")
+    plan.add_argument("--gpus-per-node", type=int, default=None,
+                      help="GPUs per node, FSDP inside it (default: the recipe's fsdp.num_local_ranks)")
     plan.add_argument("--gpu", default="h100", help="h100, h200 or a100 (default h100)")
     plan.add_argument("--mfu", type=float, default=None,
                       help="MFU of the inner steps as a fraction (default 0.433, the paper's without communication)")
@@ -97,6 +103,11 @@ def print_plan(args: argparse.Namespace) -> int:
         print(f"openprime: error: {e}", file=sys.stderr)
         return 2
     print(f"plan of {cfg.name!r} ({args.recipe})\n{planner.format_plan(plan)}")
+    if not plan.fits:
+        try:
+            planner.check_fits(planner.with_node(cfg, gpus_per_node=args.gpus_per_node), plan.gpu)
+        except ConfigError as e:  # what to change, as `openprime run` would say it
+            print(f"openprime: {e}", file=sys.stderr)
     return 0 if plan.fits else 1
 
 
@@ -136,24 +147,91 @@ def serve_mesh(args: argparse.Namespace) -> int:
     return 0
 
 
-def dry_run(cfg: RunConfig, num_nodes: int) -> None:
-    """Print the config and the model's size; the model is built on the meta device (nothing allocated)."""
+# The dry run plans for the paper's GPU and a typical public-internet link unless the site file shapes the
+# link; `openprime plan` takes any other GPU and bandwidth.
+DRY_RUN_GPU = "h100"
+DRY_RUN_BANDWIDTH_BPS = 1e9
+
+
+@attrs.frozen(kw_only=True)
+class MetaShards:
+    """What FSDP2 gave one local rank of a model built on the meta device (rank 0 of a fake group)."""
+
+    num_params: int  # of the whole model (a sharded parameter's numel is its global one)
+    num_local_ranks: int
+    num_units: int  # FSDP2 units: one per block and the root; 0 when nothing is sharded
+    shard_numel: int  # parameters one rank holds: rank 0's shards, which are the padded size every rank allocates
+    shard_bytes: int
+    max_padding: int  # the most dim-0 padding (elements, over all ranks) the parameters' shapes allow
+
+
+def shard_on_meta(cfg: RunConfig) -> MetaShards:
+    """Build the model on the meta device and apply the run's FSDP2 plan over a fake group of the node's
+    local ranks (no peers, no memory); the fake group is destroyed before returning."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from openprime.fsdp import destroy_local_mesh, fake_mesh, local_shard, parallelize
+
+    ranks = cfg.fsdp.num_local_ranks
     with torch.device("meta"):
         model = Llama(cfg.model)
-    num_params = sum(p.numel() for p in model.parameters())
-    assert all(p.is_meta for p in model.parameters())
+    mesh = fake_mesh(ranks) if cfg.fsdp.sharded else None
+    try:
+        parallelize(model, model.layers, mesh, config=cfg.fsdp)
+        shards = [local_shard(p) for p in model.parameters()]
+        assert all(s.is_meta for s in shards)
+        return MetaShards(
+            num_params=sum(p.numel() for p in model.parameters()), num_local_ranks=ranks,
+            num_units=sum(isinstance(m, FSDPModule) for m in model.modules()),
+            shard_numel=sum(s.numel() for s in shards), shard_bytes=sum(s.numel() * s.element_size() for s in shards),
+            max_padding=sum((ranks - 1) * (p.numel() // p.shape[0]) for p in model.parameters()))
+    finally:
+        if mesh is not None:
+            destroy_local_mesh()
+
+
+def dry_run(cfg: RunConfig, num_nodes: int) -> None:
+    """Print the run, the model's FSDP2 sharding over a fake group of the node's local ranks, and the plan;
+    nothing is allocated (meta device). Raises ConfigError if the plan says one GPU is too small."""
+    from openprime.train import planner
+
+    num_params = count_parameters(cfg.model)
     embed = cfg.model.vocab_size * cfg.model.dim
     tokens_per_outer = cfg.train.batch_size * cfg.train.seq_len * cfg.diloco.num_inner_steps * num_nodes
     print(f"run {cfg.name!r}: {num_nodes} nodes, {cfg.train.num_steps:,} inner steps, "
-          f"{cfg.num_outer_steps:,} outer steps of H={cfg.diloco.num_inner_steps}")
-    print(f"model: {num_params:,} parameters ({num_params / 1e9:.2f}B; counted by hand: "
-          f"{count_parameters(cfg.model):,}); {cfg.model.num_layers} layers, dim {cfg.model.dim}, "
+          f"{cfg.num_outer_steps:,} outer steps of H={cfg.diloco.num_inner_steps}; "
+          f"{tokens_per_outer:,} tokens per outer step across the nodes")
+    shards = shard_on_meta(cfg)
+    print(f"model: {shards.num_params:,} parameters ({num_params / 1e9:.2f}B; counted by hand: "
+          f"{num_params:,}); {cfg.model.num_layers} layers, dim {cfg.model.dim}, "
           f"{cfg.model.num_heads} heads, {cfg.model.num_kv_heads} KV heads, FFN {cfg.model.ffn_hidden_dim}, "
           f"vocab {cfg.model.vocab_size}; embeddings + output {2 * embed:,}")
-    print(f"compute: {num_flops_per_token(cfg.model, cfg.train.seq_len) / 1e9:.1f} GFLOP per token; "
-          f"{tokens_per_outer:,} tokens per outer step across the nodes")
-    print(f"host memory per node for the DiLoCo state (fp32 weights, momentum, pseudo-gradient): "
-          f"{3 * 4 * num_params / 2**30:.1f} GiB")
+    ranks, fsdp = shards.num_local_ranks, cfg.fsdp
+    train = (f"micro-batch {planner.activation_batch(cfg)} x "
+             f"{cfg.num_micro_batches} accumulated per rank per inner step, activation checkpointing "
+             f"{fsdp.activation_checkpointing.value}")
+    if shards.num_units:
+        print(f"FSDP2 over a fake {ranks}-rank group (meta device): {shards.num_units} units "
+              f"({cfg.model.num_layers} blocks + root), {fsdp.param_dtype.value} compute, "
+              f"{fsdp.reduce_dtype.value} gradient reduce-scatter; {train}")
+    else:
+        print(f"one local rank: no sharding, fp32 compute; {train}")
+    plan = planner.plan_run(cfg, num_nodes=num_nodes, gpu=DRY_RUN_GPU,
+                            bandwidth_bps=cfg.transport.options.shaping.rate_bps or DRY_RUN_BANDWIDTH_BPS,
+                            latency_s=cfg.transport.options.shaping.latency_s)
+    # FSDP2 pads dim 0 to a multiple of the ranks, the planner divides exactly: they may differ by that padding.
+    padding = shards.shard_numel * ranks - plan.num_params
+    excess_bytes = shards.shard_bytes - plan.weights_bytes
+    if not (0 <= padding <= shards.max_padding and -1 <= excess_bytes <= planner.FP32 * shards.max_padding / ranks + 1):
+        raise RuntimeError(f"FSDP2 gave each rank {shards.shard_bytes:,} bytes of weights, the planner "
+                           f"{plan.weights_bytes:,.0f}: a bug in one of them")
+    padded = f", {padding:,} parameters of dim-0 padding over the {ranks} ranks" if ranks > 1 else ""
+    print(f"per local rank: {shards.shard_numel:,} parameters, {shards.shard_bytes:,} bytes of fp32 weights "
+          f"({shards.shard_bytes / planner.GiB:.2f} GiB); the planner's: 4 x {num_params:,} / {ranks} = "
+          f"{plan.weights_bytes:,.0f} bytes{padded}")
+    print(f"plan (for other GPUs or bandwidths: openprime plan RECIPE --nodes {num_nodes} --gpu h200 "
+          f"--bandwidth 500mbit)\n{planner.format_plan(plan)}")
+    planner.check_fits(cfg, plan.gpu)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,12 +252,13 @@ def main(argv: list[str] | None = None) -> int:
         cfg = recipe_config(args.recipe, overrides)
         check_installed(cfg.transport)
         codec_for(cfg.diloco.compression)
+        if args.dry_run:
+            dry_run(cfg, args.nodes)
+            return 0
+        check_hardware(cfg)  # on CUDA: enough GPUs for the local ranks, each large enough for its share
     except ConfigError as e:
         print(f"openprime: error: {e}", file=sys.stderr)
         return 2
-    if args.dry_run:
-        dry_run(cfg, args.nodes)
-        return 0
     from openprime.train.launcher import launch, write_run_files
 
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -201,21 +280,30 @@ def main(argv: list[str] | None = None) -> int:
 
 def _resume_from(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path) -> Checkpoint:
     """The checkpoint that `--resume` names, checked against the nodes asked for."""
-    from openprime.train.checkpointing import find_checkpoint
+    from openprime.train.checkpointing import find_checkpoint, parts_by_node
 
     if args.resume == "latest" and args.run_dir is None and not cfg.checkpoint.directory:
         raise ConfigError("--resume latest needs the --run-dir of the run to continue")
     found = find_checkpoint(args.resume, cfg.checkpoint, run_dir)
-    if args.nodes != len(found.parts):
-        raise ConfigError(f"checkpoint {found.path} holds {len(found.parts)} nodes ({', '.join(found.parts)}) but "
-                          f"--nodes is {args.nodes}: resume with --nodes {len(found.parts)}; more nodes can join "
+    nodes = parts_by_node(found)
+    if args.nodes != len(nodes):
+        raise ConfigError(f"checkpoint {found.path} holds {len(nodes)} nodes ({', '.join(found.parts)}) but "
+                          f"--nodes is {args.nodes}: resume with --nodes {len(nodes)}; more nodes can join "
                           f"afterwards with --join")
+    ranks = cfg.fsdp.num_local_ranks
+    if len(nodes[0]) != ranks:
+        raise ConfigError(f"checkpoint {found.path} was saved by nodes of {len(nodes[0])} local rank(s), each holding "
+                          f"its own shard, but fsdp.num_local_ranks is {ranks}: resume with "
+                          f"--set fsdp.num_local_ranks={len(nodes[0])}")
     with torch.device("meta"):  # the recipe's model, to compare shapes with the saved one: nothing allocated
         model = Llama(cfg.model)
-    check_compatible(found.part(found.parts[0]), {"model": model.state_dict()})
-    print(f"openprime: resuming from {found.path} ({len(found.parts)} nodes, checksums verified)", flush=True)
+    # Local rank 0 of R holds the first ceil(n / R) rows of every n-row parameter (FSDP2 shards dim 0).
+    expected = {name: torch.empty((-(-t.shape[0] // ranks), *t.shape[1:]), device="meta")
+                for name, t in model.state_dict().items()}
+    check_compatible(found.part(nodes[0][0]), {"model": expected})
+    print(f"openprime: resuming from {found.path} ({len(nodes)} nodes"
+          f"{f' of {ranks} local ranks' if ranks > 1 else ''}, checksums verified)", flush=True)
     return found
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -161,6 +161,13 @@ class RunConfig:
         return share // self.train.micro_batch_size if self.train.micro_batch_size else 1
 
     @property
+    def local_group_timeout_s(self) -> float:
+        """Longest wait in the node's local group: local ranks other than 0 wait in it while rank 0 waits at the
+        outer-step barrier for the slowest node. (A dead local rank does not make the others wait this long:
+        the launcher stops a node's other processes when one of them dies.)"""
+        return self.mesh.sync_timeout_s + self.timeouts.connect_s
+
+    @property
     def num_outer_steps(self) -> int:
         return self.train.num_steps // self.diloco.num_inner_steps
 

@@ -17,6 +17,7 @@ import pathlib
 import shutil
 import signal
 import sys
+import threading
 import time
 import traceback
 
@@ -24,8 +25,10 @@ import attrs
 
 from openprime.ckpt import Checkpoint, list_steps
 from openprime.core.config import to_dict
+from openprime.core.distributed import host_store
+from openprime.core.transport import Rendezvous
 from openprime.mesh import Coordinator
-from openprime.train.checkpointing import checkpoint_root
+from openprime.train.checkpointing import checkpoint_root, parts_by_node
 from openprime.train.config import RunConfig
 from openprime.train.data import prepare_data
 from openprime.train.metrics import summarize
@@ -52,56 +55,88 @@ def write_run_files(run_dir: pathlib.Path, cfg: RunConfig, *, recipe: pathlib.Pa
 
 
 def node_main(cfg: RunConfig, node: int, coordinator: str, run_dir: pathlib.Path, num_threads: int,
-              resume: Checkpoint | None = None) -> None:
-    """The body of one node process: SIGTERM leaves gracefully (the deathrattle), errors exit 1."""
+              resume: Checkpoint | None = None, local_rank: int = 0,
+              local_rendezvous: Rendezvous | None = None) -> None:
+    """The body of one node process (one local rank): SIGTERM leaves gracefully (the deathrattle), errors exit 1."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
-        run_node(cfg, node=node, coordinator=coordinator, run_dir=run_dir, num_threads=num_threads, resume=resume)
+        run_node(cfg, node=node, coordinator=coordinator, run_dir=run_dir, num_threads=num_threads, resume=resume,
+                 local_rank=local_rank, local_rendezvous=local_rendezvous)
     except BaseException as e:
         if not isinstance(e, SystemExit):
-            print(f"[node {node}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+            where = f"node {node}" + (f" local rank {local_rank}" if cfg.fsdp.sharded else "")
+            print(f"[{where}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         sys.exit(e.code if isinstance(e, SystemExit) else 1)
 
 
 class Launcher:
-    """A coordinator plus node processes on this machine."""
+    """A coordinator plus node processes on this machine: `fsdp.num_local_ranks` processes per node."""
 
     def __init__(self, cfg: RunConfig, run_dir: pathlib.Path, *, num_nodes: int,
                  coordinator: str | None = None, resume: Checkpoint | None = None) -> None:
         self.cfg = attrs.evolve(cfg, mesh=attrs.evolve(cfg.mesh, min_nodes=num_nodes))
         self.run_dir = run_dir
         self.resume = resume  # the nodes started first continue from it; later ones join and get the state
-        self.num_threads = max(1, (os.cpu_count() or 1) // num_nodes)
+        self._num_resumed = len(parts_by_node(resume)) if resume is not None else 0
+        self.num_threads = max(1, (os.cpu_count() or 1) // (num_nodes * cfg.fsdp.num_local_ranks))
         self._coordinator = None
         if coordinator is None:
             self._coordinator = Coordinator(self.cfg.mesh, store_timeout_s=cfg.timeouts.connect_s).start()
             coordinator = self._coordinator.address
         self.coordinator = coordinator
-        self.procs: dict[int, mp.Process] = {}
+        # The local groups of the nodes started here meet in this process's store, each on its own prefix.
+        self._local_store = host_store(timeout_s=cfg.timeouts.connect_s) if cfg.fsdp.sharded else None
+        self.procs: dict[int, mp.Process] = {}  # node -> its local rank 0 (the one that speaks for it)
+        self.local_procs: dict[int, list[mp.Process]] = {}  # node -> all its processes, by local rank
         self._ctx = mp.get_context("spawn")
+        self._watching = threading.Event()
+        self._watchdog = threading.Thread(target=self._watch, name="openprime-node-watchdog", daemon=True)
+        self._watchdog.start()
 
     def start_node(self) -> mp.Process:
         """Start one more node; once the run is under way, it waits for the next outer step and gets the state."""
         node = len(self.procs)
-        resume = self.resume if self.resume is not None and node < len(self.resume.parts) else None
-        proc = self._ctx.Process(target=node_main, name=f"node-{node}",
-                                 args=(self.cfg, node, self.coordinator, self.run_dir, self.num_threads, resume))
-        proc.start()
-        self.procs[node] = proc
-        return proc
+        resume = self.resume if node < self._num_resumed else None
+        rendezvous = None
+        if self._local_store is not None:
+            rendezvous = Rendezvous(host="127.0.0.1", port=self._local_store.port,
+                                    group=f"{self.cfg.mesh.run_id}/node-{node}/local")
+        procs = []
+        for local_rank in range(self.cfg.fsdp.num_local_ranks):
+            name = f"node-{node}" + (f"-rank-{local_rank}" if rendezvous else "")
+            proc = self._ctx.Process(target=node_main, name=name,
+                                     args=(self.cfg, node, self.coordinator, self.run_dir, self.num_threads, resume,
+                                           local_rank, rendezvous))
+            proc.start()
+            procs.append(proc)
+        self.procs[node], self.local_procs[node] = procs[0], procs
+        return procs[0]
+
+    def _watch(self) -> None:
+        """A node is all of its local ranks: when one process of a node dies, stop the others (they would wait
+        in the node's local group for it), so that the node leaves the run as a whole."""
+        while not self._watching.wait(0.2):
+            for procs in list(self.local_procs.values()):
+                if len(procs) > 1 and any(p.exitcode not in (None, 0) for p in procs):
+                    for p in procs:
+                        if p.is_alive():
+                            p.kill()
 
     def wait(self, timeout_s: float | None = None) -> dict[int, int | None]:
-        """Wait for every node to exit (or the timeout); returns exit codes by node."""
+        """Wait for every node to exit (or the timeout); returns exit codes by node (of its local rank 0)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while any(p.is_alive() for p in self.procs.values()) and (deadline is None or time.monotonic() < deadline):
+        while (any(p.is_alive() for procs in self.local_procs.values() for p in procs)
+               and (deadline is None or time.monotonic() < deadline)):
             time.sleep(0.2)
         return {n: p.exitcode for n, p in self.procs.items()}
 
     def stop(self) -> None:
-        for p in self.procs.values():
+        self._watching.set()
+        everything = [p for procs in self.local_procs.values() for p in procs]
+        for p in everything:
             if p.is_alive():
                 p.terminate()
-        for p in self.procs.values():
+        for p in everything:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()

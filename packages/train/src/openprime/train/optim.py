@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from openprime.train.config import OptimizerConfig
 
@@ -20,4 +21,6 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig) -> torch.optim
 
 def clip_gradients(model: torch.nn.Module, max_norm: float) -> float:
     """Clip the global L2 norm of the gradients to `max_norm`; return the norm before clipping."""
-    return float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    # Under FSDP2 the norm is a DTensor already reduced over the local ranks' shards: every rank clips alike.
+    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)

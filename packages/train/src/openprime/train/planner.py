@@ -10,11 +10,17 @@ at 43.3% MFU (section 3.1, Table 2); int8 pseudo-gradients every H = 100 steps s
 than fp32 data parallel (section 3.1); compute utilisation is compute / (compute + all-reduce), which
 with the median all-reduce times of Table 2 gives 95.7 / 85.6 / 83.0 %.
 
-Memory follows torchtitan and PRIME (FSDP2, `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`):
-parameters, gradients and AdamW's two moments are fp32 and sharded over the node's GPUs; each FSDP unit is
-all-gathered in bf16 only while it computes; every block is activation-checkpointed. Everything here is
-an estimate of the steady state: allocator fragmentation, CUDA context and NCCL buffers (a few GiB) are
-left out, so treat "fits" with less than ~10% to spare as "probably not".
+Memory follows the run's FSDP config (`cfg.fsdp`, applied by openprime.fsdp.parallelize as torchtitan and
+PRIME do): parameters, gradients and AdamW's two moments are fp32 and sharded over the node's
+`num_local_ranks` GPUs; each FSDP unit is all-gathered in `param_dtype` only while it computes (with one
+local rank nothing is sharded or gathered, and the model computes in fp32); `activation_checkpointing`
+decides whether every block keeps all its activations or only its input; `train.micro_batch_size` is the
+batch of one forward. INTELLECT-1 10B: 8 ranks, bf16, full checkpointing, micro-batch 1. Everything here
+is an estimate of the steady state: allocator fragmentation, CUDA context and NCCL buffers (a few GiB)
+are left out, so treat "fits" with less than ~10% to spare as "probably not".
+
+`check_fits` turns a plan that does not fit into a ConfigError that says by how much and which change
+of the config (more local ranks, activation checkpointing, a smaller micro-batch) would make it fit.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import attrs
 from openprime.core.collectives import SEGMENT_NUMEL
 from openprime.core.errors import ConfigError
 from openprime.diloco.config import Compression
+from openprime.fsdp import ActivationCheckpointing, Precision
 from openprime.train.config import RunConfig
 from openprime.train.model import count_parameters, num_flops_per_token
 
@@ -63,7 +70,10 @@ class Plan:
     num_inner_steps: int  # H
     compression: Compression  # the run's pseudo-gradient encoding
     num_params: int
-    # memory of one GPU
+    # memory of one GPU, for the run's FSDP config
+    compute_dtype: Precision  # of the gathered parameters and the activations (fp32 when unsharded)
+    activation_checkpointing: bool
+    micro_batch_size: int  # sequences per forward on one GPU (the whole share when the config says 0)
     weights_bytes: float
     grads_bytes: float
     optimizer_bytes: float
@@ -110,22 +120,24 @@ class Plan:
         return self.dp_bytes / sent_bytes if sent_bytes else math.nan
 
 
-def plan_run(cfg: RunConfig, *, num_nodes: int, bandwidth_bps: float, gpus_per_node: int = 8,
-             gpu: str | GPU = "h100", mfu: float = NO_COMM_MFU, micro_batch_size: int = 1,
+def plan_run(cfg: RunConfig, *, num_nodes: int, bandwidth_bps: float, gpus_per_node: int | None = None,
+             gpu: str | GPU = "h100", mfu: float = NO_COMM_MFU, micro_batch_size: int | None = None,
              latency_s: float = 0.0) -> Plan:
     """The plan of `cfg` on `num_nodes` nodes of `gpus_per_node` GPUs, `bandwidth_bps` between nodes.
 
-    `gpu` names a row of GPUS or is a GPU of your own; `mfu` is the model FLOPs utilisation of the
-    inner steps (default: the paper's 43.3% without communication); `micro_batch_size` the sequences
-    per GPU per forward (activation memory); `latency_s` the one-way latency between ring neighbours,
+    `gpus_per_node` and `micro_batch_size` default to the config's (`fsdp.num_local_ranks`,
+    `train.micro_batch_size`); given, they replace them and the config is validated again. `gpu` names a
+    row of GPUS or is a GPU of your own; `mfu` is the model FLOPs utilisation of the inner steps (default:
+    the paper's 43.3% without communication); `latency_s` the one-way latency between ring neighbours,
     paid once per step of the ring.
     """
-    _check(num_nodes=num_nodes, bandwidth_bps=bandwidth_bps, gpus_per_node=gpus_per_node, gpu=gpu, mfu=mfu,
-           micro_batch_size=micro_batch_size, latency_s=latency_s, batch_size=cfg.train.batch_size)
-    device = gpu if isinstance(gpu, GPU) else GPUS[gpu]
+    _check(num_nodes=num_nodes, bandwidth_bps=bandwidth_bps, gpu=gpu, mfu=mfu, latency_s=latency_s)
+    cfg = with_node(cfg, gpus_per_node=gpus_per_node, micro_batch_size=micro_batch_size)
+    gpus_per_node = cfg.fsdp.num_local_ranks
+    device = gpu_named(gpu)
     m, seq_len, h = cfg.model, cfg.train.seq_len, cfg.diloco.num_inner_steps
     p = count_parameters(m)
-    memory = _gpu_memory(cfg, gpus_per_node, micro_batch_size)
+    memory = gpu_memory(cfg)
 
     # Compute. One inner step is batch_size sequences per node, spread over the node's GPUs (data
     # parallel inside the node, gradient accumulation over micro-batches); MFU is achieved FLOP/s over
@@ -145,7 +157,10 @@ def plan_run(cfg: RunConfig, *, num_nodes: int, bandwidth_bps: float, gpus_per_n
     ring_latency_s = 2 * (num_nodes - 1) * latency_s
     return Plan(
         num_nodes=num_nodes, gpus_per_node=gpus_per_node, gpu=device, bandwidth_bps=float(bandwidth_bps),
-        num_inner_steps=h, compression=cfg.diloco.compression, num_params=p, **memory,
+        num_inner_steps=h, compression=cfg.diloco.compression, num_params=p,
+        compute_dtype=compute_dtype(cfg),
+        activation_checkpointing=cfg.fsdp.activation_checkpointing is ActivationCheckpointing.FULL,
+        micro_batch_size=activation_batch(cfg), **memory,
         gpu_bytes=sum(memory.values()), fits=sum(memory.values()) <= device.memory_bytes,
         # DiLoCo's host state (openprime.diloco.outer.OuterState): fp32 global weights, outer momentum
         # and pseudo-gradient, 12 bytes per parameter; sharded over the local ranks, the same per node.
@@ -158,30 +173,129 @@ def plan_run(cfg: RunConfig, *, num_nodes: int, bandwidth_bps: float, gpus_per_n
     )
 
 
-def _gpu_memory(cfg: RunConfig, gpus: int, micro_batch_size: int) -> dict[str, float]:
-    """Bytes of one GPU under FSDP2 over `gpus` ranks with full activation checkpointing."""
-    m, seq_len = cfg.model, cfg.train.seq_len
+def with_node(cfg: RunConfig, *, gpus_per_node: int | None = None, micro_batch_size: int | None = None) -> RunConfig:
+    """`cfg` with another number of local ranks and micro-batch size, validated (the batch must split)."""
+    if gpus_per_node is None and micro_batch_size is None:
+        return cfg
+    fsdp, train = cfg.fsdp, cfg.train
+    if gpus_per_node is not None:
+        fsdp = attrs.evolve(fsdp, num_local_ranks=gpus_per_node)
+    if micro_batch_size is not None:
+        train = attrs.evolve(train, micro_batch_size=micro_batch_size)
+    return attrs.evolve(cfg, fsdp=fsdp, train=train)
+
+
+def gpu_named(gpu: str | GPU) -> GPU:
+    """The GPU a row of GPUS names, or `gpu` itself."""
+    if isinstance(gpu, GPU):
+        return gpu
+    if gpu not in GPUS:
+        raise ConfigError(f"unknown GPU {gpu!r}; known: {', '.join(GPUS)}")
+    return GPUS[gpu]
+
+
+def compute_dtype(cfg: RunConfig) -> Precision:
+    """The dtype forward and backward compute in: FSDP2's param_dtype, or fp32 when nothing is sharded
+    (openprime.fsdp.parallelize applies FSDP2, and with it the mixed-precision policy, only over >1 rank)."""
+    return cfg.fsdp.param_dtype if cfg.fsdp.sharded else Precision.FP32
+
+
+def activation_batch(cfg: RunConfig) -> int:
+    """Sequences in one forward on one GPU: the micro-batch, or the rank's whole share when it is 0."""
+    return cfg.train.micro_batch_size or cfg.train.batch_size // cfg.fsdp.num_local_ranks
+
+
+def gpu_memory(cfg: RunConfig) -> dict[str, float]:
+    """Bytes of one GPU under the run's FSDP config (local ranks, param dtype, activation checkpointing)."""
+    m, seq_len, gpus = cfg.model, cfg.train.seq_len, cfg.fsdp.num_local_ranks
+    act = BF16 if compute_dtype(cfg) is Precision.BF16 else FP32
     p = count_parameters(m)
     root = 2 * m.vocab_size * m.dim + m.dim  # embedding, output layer, final norm: FSDP's root unit
     block = (p - root) // m.num_layers
     # Sharded state: fp32 parameters (the master copy AdamW updates), fp32 gradients (reduce-scattered
     # in fp32), AdamW's exp_avg and exp_avg_sq: 4 + 4 + 8 = 16 bytes per parameter, divided by the ranks.
-    # Gathered bf16 copies: the root unit stays unsharded through forward and backward (2 bytes each for
-    # its 2VD parameters, 1 GiB at 10B), plus the block computing and the one prefetched; their unsharded
-    # gradients exist as long again, before the reduce-scatter: x2.
-    gathered = 2 * BF16 * (root + 2 * block)
-    # Activations, per sequence of the micro-batch: checkpointing keeps only each block's input (bf16,
-    # L*D per layer) and recomputes one block at a time in backward, which then holds that block's saved
-    # tensors: per token the norms' inputs and outputs, q, k, v, the attention output (4D + D + 2*K*E)
-    # and the SwiGLU's w1, w3, silu(w1) and their product (4F), bf16. The output layer's fp32 logits and
-    # the log-softmax that cross-entropy keeps for backward are 2 * L * V * 4 bytes: 8 GiB at 8192 x 128256,
-    # more than all the checkpointed block inputs together.
+    # Gathered copies in param_dtype: the root unit stays unsharded through forward and backward (2 bytes
+    # each for its 2VD parameters in bf16, 1 GiB at 10B), plus the block computing and the one prefetched;
+    # their unsharded gradients exist as long again, before the reduce-scatter: x2. Unsharded, the model
+    # computes on its fp32 parameters directly and nothing is gathered.
+    gathered = 2 * act * (root + 2 * block) if cfg.fsdp.sharded else 0
+    # Activations, per sequence of the micro-batch. A block's saved tensors per token: the norms' inputs
+    # and outputs, q, k, v, the attention output (4D + D + 2*K*E) and the SwiGLU's w1, w3, silu(w1) and
+    # their product (4F). Without checkpointing every block keeps them until its backward; with it each
+    # block keeps only its input (L*D per layer) and backward recomputes one block at a time. The output
+    # layer's fp32 logits and the log-softmax that cross-entropy keeps for backward are 2 * L * V * 4
+    # bytes: 8 GiB at 8192 x 128256, more than all the checkpointed block inputs together.
     kv = m.num_kv_heads * m.head_dim
-    per_block_token = BF16 * (5 * m.dim + 2 * kv + 4 * m.ffn_hidden_dim)
-    per_sequence = (m.num_layers * seq_len * m.dim * BF16 + seq_len * per_block_token
-                    + 2 * seq_len * m.vocab_size * FP32)
+    block_activations = seq_len * act * (5 * m.dim + 2 * kv + 4 * m.ffn_hidden_dim)
+    logits = 2 * seq_len * m.vocab_size * FP32
+    if cfg.fsdp.activation_checkpointing is ActivationCheckpointing.FULL:
+        per_sequence = m.num_layers * seq_len * m.dim * act + block_activations + logits
+    else:
+        per_sequence = m.num_layers * block_activations + logits
     return {"weights_bytes": FP32 * p / gpus, "grads_bytes": FP32 * p / gpus, "optimizer_bytes": 2 * FP32 * p / gpus,
-            "gathered_bytes": gathered, "activations_bytes": micro_batch_size * per_sequence}
+            "gathered_bytes": gathered, "activations_bytes": activation_batch(cfg) * per_sequence}
+
+
+def gpu_bytes(cfg: RunConfig) -> float:
+    """The total of gpu_memory: what one GPU of a node needs for `cfg`."""
+    return sum(gpu_memory(cfg).values())
+
+
+def check_fits(cfg: RunConfig, gpu: str | GPU) -> None:
+    """Raise a ConfigError if one GPU cannot hold its share of `cfg`, saying by how many GiB and what to change."""
+    device = gpu_named(gpu)
+    memory = gpu_memory(cfg)
+    need = sum(memory.values())
+    if need <= device.memory_bytes:
+        return
+    state = memory["weights_bytes"] + memory["grads_bytes"] + memory["optimizer_bytes"]
+    ranks = cfg.fsdp.num_local_ranks
+    raise ConfigError(
+        f"{cfg.name!r} does not fit one {device.name}: with {ranks} local rank{'s' * (ranks > 1)} per node each GPU "
+        f"needs {need / GiB:.1f} GiB, {(need - device.memory_bytes) / GiB:.1f} GiB more than its "
+        f"{device.memory_bytes / GiB:.0f} GiB (weights, gradients and AdamW state {state / GiB:.1f} GiB, gathered "
+        f"units {memory['gathered_bytes'] / GiB:.1f} GiB, activations {memory['activations_bytes'] / GiB:.1f} GiB). "
+        f"{_remedies(cfg, device)}")
+
+
+def _remedies(cfg: RunConfig, device: GPU) -> str:
+    """What to change in `cfg` to fit `device`: each single change that helps, with what one GPU would then need."""
+    def need(changed: RunConfig) -> str:
+        n = gpu_bytes(changed)
+        return f"{n / GiB:.1f} GiB{'' if n <= device.memory_bytes else ', not enough alone'}"
+
+    changes = []
+    ranks = _fitting_ranks(cfg, device)
+    if ranks is not None:
+        changes.append(f"more local ranks: --set fsdp.num_local_ranks={ranks} "
+                       f"({need(with_node(cfg, gpus_per_node=ranks))})")
+    full_ac = attrs.evolve(cfg, fsdp=attrs.evolve(cfg.fsdp, activation_checkpointing=ActivationCheckpointing.FULL))
+    if cfg.fsdp.activation_checkpointing is ActivationCheckpointing.NONE:
+        changes.append(f"activation checkpointing: --set fsdp.activation_checkpointing=full ({need(full_ac)})")
+    if activation_batch(cfg) > 1:
+        changes.append(f"a smaller micro-batch: --set train.micro_batch_size=1 "
+                       f"({need(with_node(cfg, micro_batch_size=1))})")
+    if ranks is None:  # no number of ranks alone: all the changes together
+        leanest = with_node(full_ac, micro_batch_size=1)
+        together = _fitting_ranks(leanest, device)
+        if together is not None:
+            changes.append(f"all together: --set fsdp.activation_checkpointing=full --set train.micro_batch_size=1 "
+                           f"--set fsdp.num_local_ranks={together} "
+                           f"({need(with_node(leanest, gpus_per_node=together))})")
+    return f"To fit, change: {'; '.join(changes)}; or use GPUs with more memory" if changes else \
+        "No number of local ranks, recomputation or micro-batch makes it fit: use GPUs with more memory"
+
+
+def _fitting_ranks(cfg: RunConfig, device: GPU) -> int | None:
+    """The fewest local ranks above the config's that split the batch and make one GPU's share fit."""
+    micro = cfg.train.micro_batch_size
+    for ranks in range(cfg.fsdp.num_local_ranks + 1, cfg.train.batch_size + 1):
+        share, rest = divmod(cfg.train.batch_size, ranks)
+        if rest or (micro and share % micro):
+            continue
+        if gpu_bytes(with_node(cfg, gpus_per_node=ranks)) <= device.memory_bytes:
+            return ranks
+    return None
 
 
 def _num_segments(num_params: int, gpus_per_node: int, num_nodes: int) -> int:
@@ -194,23 +308,16 @@ def _num_segments(num_params: int, gpus_per_node: int, num_nodes: int) -> int:
     return gpus_per_node * num_nodes * math.ceil(chunk / SEGMENT_NUMEL)
 
 
-def _check(*, num_nodes: int, bandwidth_bps: float, gpus_per_node: int, gpu: str | GPU, mfu: float,
-           micro_batch_size: int, latency_s: float, batch_size: int) -> None:
-    if num_nodes < 1 or gpus_per_node < 1 or micro_batch_size < 1:
-        raise ConfigError(f"nodes, GPUs per node and micro-batch size must be >= 1, got {num_nodes}, "
-                          f"{gpus_per_node}, {micro_batch_size}")
+def _check(*, num_nodes: int, bandwidth_bps: float, gpu: str | GPU, mfu: float, latency_s: float) -> None:
+    if num_nodes < 1:
+        raise ConfigError(f"the number of nodes must be >= 1, got {num_nodes}")
     if not bandwidth_bps > 0:
         raise ConfigError(f"the bandwidth must be > 0 bits per second, got {bandwidth_bps!r}")
-    if not isinstance(gpu, GPU) and gpu not in GPUS:
-        raise ConfigError(f"unknown GPU {gpu!r}; known: {', '.join(GPUS)}")
+    gpu_named(gpu)
     if not 0 < mfu <= 1:
         raise ConfigError(f"MFU is a fraction in (0, 1], got {mfu!r} (43.3% is 0.433)")
     if latency_s < 0:
         raise ConfigError(f"latency must be >= 0 seconds, got {latency_s!r}")
-    if batch_size % (gpus_per_node * micro_batch_size):
-        raise ConfigError(f"train.batch_size {batch_size} sequences per node do not split evenly into micro-batches "
-                          f"of {micro_batch_size} over {gpus_per_node} GPUs; choose a batch size that is a "
-                          f"multiple of {gpus_per_node * micro_batch_size}")
 
 
 # ---------------------------------------------------------------- bandwidth strings
@@ -271,15 +378,19 @@ def format_plan(plan: Plan) -> str:
     fit = (f"fits, {(g.memory_bytes - plan.gpu_bytes) / GiB:.1f} GiB to spare" if plan.fits else
            f"DOES NOT FIT: {plan.shortfall_bytes / GiB:.1f} GiB more than the {g.memory_bytes / GiB:.0f} GiB "
            f"of one {g.name}; use more GPUs per node or larger GPUs")
+    sharding = f"FSDP2 over {plan.gpus_per_node} ranks" if plan.gpus_per_node > 1 else "one rank, no sharding"
+    shard = ", shard" if plan.gpus_per_node > 1 else ", whole"
     lines = [
         f"{plan.num_nodes} nodes x {plan.gpus_per_node} {g.name} ({g.memory_bytes / GiB:.0f} GiB, "
         f"{g.peak_flops / 1e12:.0f} TFLOP/s bf16), {_rate(plan.bandwidth_bps)} per node, H = {plan.num_inner_steps}",
         f"parameters                 {plan.num_params:,} ({plan.num_params / 1e9:.2f}B)",
-        "memory per GPU (FSDP2 over the node, full activation checkpointing)",
-        f"  weights (fp32, sharded)  {_gib(plan.weights_bytes)}",
-        f"  gradients (fp32, shard.) {_gib(plan.grads_bytes)}",
+        f"memory per GPU ({sharding}, {plan.compute_dtype.value} compute, micro-batch {plan.micro_batch_size}, "
+        f"activation checkpointing {'full' if plan.activation_checkpointing else 'none'})",
+        f"  {'weights (fp32' + shard + ')':23}  {_gib(plan.weights_bytes)}",
+        f"  {'gradients (fp32' + shard + ')':23}  {_gib(plan.grads_bytes)}",
         f"  AdamW state (2 x fp32)   {_gib(plan.optimizer_bytes)}",
-        f"  gathered bf16 units      {_gib(plan.gathered_bytes)}   root + 2 blocks, with their gradients",
+        f"  {'gathered ' + plan.compute_dtype.value + ' units':23}  {_gib(plan.gathered_bytes)}   "
+        f"{'root + 2 blocks, with their gradients' if plan.gpus_per_node > 1 else 'none: nothing is sharded'}",
         f"  activations              {_gib(plan.activations_bytes)}   incl. fp32 logits",
         f"  total                    {_gib(plan.gpu_bytes)}   {fit}",
         f"host memory per node       {_gib(plan.host_bytes)}   DiLoCo: fp32 weights, momentum, pseudo-gradient",

@@ -17,10 +17,21 @@ import warnings
 
 import attrs
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from openprime.ckpt import Checkpoint, Checkpointer, SaveMode
 from openprime.core.errors import ConfigError, OpenPrimeError
+from openprime.core.transport import Rendezvous
 from openprime.diloco import DiLoCo, OuterStepResult
+from openprime.fsdp import (
+    destroy_local_mesh,
+    gradient_sync,
+    init_local_mesh,
+    local_all_reduce_mean,
+    local_sum,
+    materialize,
+    parallelize,
+)
 from openprime.mesh import ElasticDeviceMesh, Evicted, MeshClient
 from openprime.train.checkpointing import (
     InnerOptimizerState,
@@ -28,6 +39,7 @@ from openprime.train.checkpointing import (
     node_checkpointer,
     node_state,
     part_name,
+    parts_by_node,
     restore_node,
     slot_of_part,
 )
@@ -64,20 +76,35 @@ def build_batches(cfg: RunConfig, slot: int) -> PackedBatches:
                          seed=cfg.data.seed + slot)
 
 
-def join_mesh(cfg: RunConfig, coordinator: str, *, slot: int = -1) -> ElasticDeviceMesh:
+def join_mesh(cfg: RunConfig, coordinator: str, *, slot: int = -1, local_rank: int = 0,
+              local_mesh: DeviceMesh | None = None) -> ElasticDeviceMesh:
     """Register this node with the coordinator (a new node id each time) and wrap it as DiLoCo's membership.
 
+    Only local rank 0 talks to the coordinator; the node's other local ranks learn the view from it.
     `slot` asks for a data slot (a node resuming a checkpoint wants the one it saved).
     """
-    client = MeshClient(coordinator, cfg.mesh)
-    client.join(slot=slot)
+    client = None
+    if local_rank == 0:
+        client = MeshClient(coordinator, cfg.mesh)
+        client.join(slot=slot)
     return ElasticDeviceMesh(client, transport_factory=transport_factory(cfg.transport, cfg.timeouts),
                              run_id=cfg.mesh.run_id, probe_bytes=cfg.mesh.probe_bytes,
-                             probe_timeout_s=cfg.timeouts.op_s)
+                             probe_timeout_s=cfg.timeouts.op_s, local_rank=local_rank,
+                             local_group=local_mesh.get_group() if local_mesh is not None else None)
+
+
+def build_model(cfg: RunConfig, local_mesh: DeviceMesh | None) -> Llama:
+    """The model, built on the meta device, parallelised as `cfg.fsdp` says, then allocated (each local rank
+    only its shards) and initialised from the run's seed: the same weights however many ranks share it."""
+    with torch.device("meta"):
+        model = Llama(cfg.model)
+    parallelize(model, model.layers, local_mesh, config=cfg.fsdp)
+    materialize(model, device="cpu", init=lambda: model.init_weights(seed=cfg.train.seed))
+    return model
 
 
 def catch_up(cfg: RunConfig, coordinator: str, diloco: DiLoCo, mesh: ElasticDeviceMesh, *,
-             rejoin: bool) -> tuple[ElasticDeviceMesh, OuterStepResult]:
+             rejoin: bool, local_mesh: DeviceMesh | None) -> tuple[ElasticDeviceMesh, OuterStepResult]:
     """Wait for the next outer step as a newcomer and take the global state from a live peer.
 
     After an eviction (`rejoin`) the node first registers again as a new node. A newcomer evicted while
@@ -87,18 +114,18 @@ def catch_up(cfg: RunConfig, coordinator: str, diloco: DiLoCo, mesh: ElasticDevi
     for attempt in range(cfg.mesh.num_join_tries):
         if rejoin or attempt:
             mesh.close()
-            mesh = join_mesh(cfg, coordinator)
+            mesh = join_mesh(cfg, coordinator, local_rank=mesh.local_rank, local_mesh=local_mesh)
             diloco.rejoin(mesh)
         try:
             result = diloco.sync(contribute=False)
             while not diloco.has_state:  # the transfer broke (its donor died): finish it at the next outer step
-                say(f"[{mesh.client.node}] the state transfer did not complete; continuing it at the next outer step")
+                say(f"[{mesh.node_id}] the state transfer did not complete; continuing it at the next outer step")
                 result = diloco.sync(contribute=False)
             if diloco.behind:  # non-blocking: got the state after the others moved on; join the next outer step
                 result = diloco.sit_out()
             return mesh, result
         except Evicted as e:
-            say(f"[{mesh.client.node}] evicted while waiting to be admitted ({e}); registering again")
+            say(f"[{mesh.node_id}] evicted while waiting to be admitted ({e}); registering again")
     raise OpenPrimeError(f"evicted {cfg.mesh.num_join_tries} times while waiting to be admitted; giving up")
 
 
@@ -111,70 +138,109 @@ def follow_schedule(sched: torch.optim.lr_scheduler.LRScheduler, num_inner_steps
 
 
 def train_step(model: Llama, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
-               inputs_BL: torch.Tensor, targets_BL: torch.Tensor, cfg: RunConfig) -> float:
-    """Forward, backward, clip, AdamW step, schedule step; returns the cross-entropy."""
-    logits_BLV = model(inputs_BL)
-    loss = loss_with_max_z(logits_BLV, targets_BL, cfg.train.z_loss_weight)
-    loss.total.backward()
+               inputs_BL: torch.Tensor, targets_BL: torch.Tensor, cfg: RunConfig, *, local_rank: int) -> float:
+    """One inner step on this local rank's share of the node's batch: forward and backward per micro-batch
+    (gradients reduce-scattered over the local ranks only after the last), clip, AdamW, schedule.
+
+    Each rank takes rows [r * B / R, (r + 1) * B / R) of the node's B sequences. Every micro-batch loss is
+    divided by the number of micro-batches and FSDP2 averages over the R ranks, so the gradient is the mean
+    over the node's whole batch, as one process training on all of it would get. Returns this rank's
+    cross-entropy.
+    """
+    share = inputs_BL.shape[0] // cfg.fsdp.num_local_ranks
+    rows = slice(local_rank * share, (local_rank + 1) * share)
+    num_micro = cfg.num_micro_batches
+    ce = 0.0
+    for i, (micro_inputs_BL, micro_targets_BL) in enumerate(
+            zip(inputs_BL[rows].chunk(num_micro), targets_BL[rows].chunk(num_micro), strict=True)):
+        gradient_sync(model, i == num_micro - 1)
+        loss = loss_with_max_z(model(micro_inputs_BL), micro_targets_BL, cfg.train.z_loss_weight)
+        (loss.total / num_micro).backward()
+        ce += loss.ce.item() / num_micro
     clip_gradients(model, cfg.optim.max_grad_norm)
     opt.step()
     sched.step()
     opt.zero_grad(set_to_none=True)
-    return loss.ce.item()
+    return ce
 
 
 class Node:
-    """What one node holds while it trains: model, optimizer, schedule, membership, data, checkpoints."""
+    """What one process of a node holds while it trains: model (or its shard), optimizer, schedule,
+    membership, data, checkpoints. A node of R local ranks runs R of these, one per process."""
 
     def __init__(self, cfg: RunConfig, *, node: int, coordinator: str, run_dir: pathlib.Path,
-                 resume: Checkpoint | None) -> None:
+                 resume: Checkpoint | None, local_rank: int = 0, local_rendezvous: Rendezvous | None = None) -> None:
         self.cfg, self.node, self.coordinator, self.run_dir = cfg, node, coordinator, run_dir
-        self.model = Llama(cfg.model)
-        self.model.init_weights(seed=cfg.train.seed)
+        self.local_rank, self.local_mesh = local_rank, None
+        if cfg.fsdp.sharded:
+            if local_rendezvous is None:
+                raise ConfigError(f"fsdp.num_local_ranks={cfg.fsdp.num_local_ranks} needs one process per local "
+                                  "rank, started by the launcher (openprime run)")
+            self.local_mesh = init_local_mesh(rank=local_rank, world_size=cfg.fsdp.num_local_ranks,
+                                              rendezvous=local_rendezvous, timeout_s=cfg.local_group_timeout_s)
+        self.model = build_model(cfg, self.local_mesh)
         self.opt = build_optimizer(self.model, cfg.optim)
         self.sched = build_lr_scheduler(self.opt, num_warmup_steps=cfg.schedule.num_warmup_steps,
                                         num_decay_steps=cfg.schedule.num_decay_steps,
                                         num_steps=cfg.train.num_steps, shape=cfg.schedule.decay_shape)
-        self.mesh = join_mesh(cfg, coordinator, slot=slot_of_part(resume.parts[node]) if resume else -1)
+        slot = slot_of_part(parts_by_node(resume)[node][0]) if resume else -1
+        self.mesh = join_mesh(cfg, coordinator, slot=slot, local_rank=local_rank, local_mesh=self.local_mesh)
+        # Local rank 0 speaks for the node: its records and progress lines. Every local rank also records the
+        # view it trained under ("local_outer"), which shows that a node's processes agree on it.
         self.metrics = MetricsWriter(run_dir, node)
         self.ckpt: Checkpointer | None = None
         # The run is under way: get its state at the next outer step (a resumed run restarts all its nodes).
-        self.joining = self.mesh.client.joined_epoch > 0 and resume is None
+        self.joining = self.mesh.joined_epoch > 0 and resume is None
         self.diloco = DiLoCo(self.model.parameters(), config=cfg.diloco, timeouts=cfg.timeouts, membership=self.mesh,
                              codec=codec_for(cfg.diloco.compression), joining=self.joining,
                              extra=InnerOptimizerState(self.model, self.opt))
         self.batches: PackedBatches | None = None
 
+    def write(self, kind: str, **fields: object) -> None:
+        if self.local_rank == 0:
+            self.metrics.write(kind, **fields)
+
+    def say(self, line: str) -> None:
+        if self.local_rank == 0:
+            say(line)
+
     def start(self, resume: Checkpoint | None) -> None:
         """Catch up with a run under way, or continue from a checkpoint; then open data and checkpoints."""
         if self.joining:
             result = self.catch_up(rejoin=False)
-            _report_outer(self.metrics, self.node, self.diloco.num_inner_steps_done, result)
+            self.report_outer(self.diloco.num_inner_steps_done, result)
         else:
             self._open_slot()
         if resume is not None:
-            restore_node(load_node_part(resume, self.mesh.client.slot, self.model), model=self.model, opt=self.opt,
+            restore_node(load_node_part(resume, self.part, self.model), model=self.model, opt=self.opt,
                          sched=self.sched, diloco=self.diloco, batches=self.batches)
-            say(f"[node {self.node}] resumed from {resume.path} at inner step {self.diloco.num_inner_steps_done} "
-                f"(outer step {self.diloco.num_outer_steps_done})")
-        self.metrics.write("start", node_id=self.mesh.client.node, slot=self.mesh.client.slot, joining=self.joining,
-                           resumed_from=str(resume.path) if resume else "", step=self.diloco.num_inner_steps_done,
-                           state_hash=self.diloco.state.state_hash())
+            self.say(f"[node {self.node}] resumed from {resume.path} at inner step {self.diloco.num_inner_steps_done} "
+                     f"(outer step {self.diloco.num_outer_steps_done})")
+        self.write("start", node_id=self.mesh.node_id, slot=self.mesh.slot, joining=self.joining,
+                   resumed_from=str(resume.path) if resume else "", step=self.diloco.num_inner_steps_done,
+                   state_hash=self.diloco.state.state_hash(), host_state_numel=self.diloco.state.numel,
+                   num_local_ranks=self.cfg.fsdp.num_local_ranks)
+
+    @property
+    def part(self) -> str:
+        """This process's checkpoint part: its node's data slot (and its local rank, when sharded)."""
+        return part_name(self.mesh.slot, self.local_rank, self.cfg.fsdp.num_local_ranks)
 
     def catch_up(self, *, rejoin: bool) -> OuterStepResult:
         """Take the run's state from a live peer at the next outer step (as a new node after an eviction)."""
-        self.mesh, result = catch_up(self.cfg, self.coordinator, self.diloco, self.mesh, rejoin=rejoin)
+        self.mesh, result = catch_up(self.cfg, self.coordinator, self.diloco, self.mesh, rejoin=rejoin,
+                                     local_mesh=self.local_mesh)
         follow_schedule(self.sched, self.diloco.num_inner_steps_done)
         self._open_slot()
         return result
 
     def _open_slot(self) -> None:
         """This node's data shard and checkpoint part follow its data slot, which a rejoin may change."""
-        self.batches = build_batches(self.cfg, self.mesh.client.slot)
+        self.batches = build_batches(self.cfg, self.mesh.slot)
         if self.ckpt is not None:
             self.ckpt.close()
         if self.cfg.checkpoint.mode is not SaveMode.OFF:
-            self.ckpt = node_checkpointer(self.cfg.checkpoint, self.run_dir, self.mesh.client.slot)
+            self.ckpt = node_checkpointer(self.cfg.checkpoint, self.run_dir, self.part)
 
     def checkpoint_due(self, stopping: bool) -> bool:
         done = self.diloco.num_inner_steps_done
@@ -182,83 +248,99 @@ class Node:
                                           or done == self.cfg.train.num_steps)
 
     def save(self) -> None:
-        """Checkpoint this node's part of the outer step just done; the parts are the slots of its members."""
+        """Checkpoint this process's part of the outer step just done; the parts are the members' slots (times
+        the local ranks)."""
         assert self.ckpt is not None and self.batches is not None
         state = node_state(model=self.model, opt=self.opt, sched=self.sched, diloco=self.diloco,
                            batches=self.batches, model_cfg=self.cfg.model)
         previous = self.ckpt.wait()
-        view = self.mesh.view
-        parts = [part_name(slot) for _, slot in view.slots] if view else [self.ckpt.part]
-        if self.ckpt.part not in parts:
-            parts.append(self.ckpt.part)
+        view, ranks = self.mesh.view, self.cfg.fsdp.num_local_ranks
+        slots = [slot for _, slot in view.slots] if view else []
+        if self.mesh.slot not in slots:
+            slots.append(self.mesh.slot)
+        parts = [part_name(slot, r, ranks) for slot in slots for r in range(ranks)]
         step = self.diloco.num_inner_steps_done
         blocking_s = self.ckpt.save(step, state, parts=parts)
-        self.metrics.write("checkpoint", step=step, blocking_s=blocking_s, parts=parts,
-                           previous_total_s=previous.total_s if previous else None,
-                           previous_failed=bool(previous and previous.path is None))
+        self.write("checkpoint", step=step, blocking_s=blocking_s, parts=parts,
+                   previous_total_s=previous.total_s if previous else None,
+                   previous_failed=bool(previous and previous.path is None))
+
+    def report_outer(self, step: int, r: OuterStepResult) -> None:
+        self.write("outer", step=step, **attrs.asdict(r))
+        if self.local_rank == 0:
+            _say_outer(self.node, r)
+        if self.cfg.fsdp.sharded and self.mesh.view is not None:
+            view = self.mesh.view
+            self.metrics.write("local_outer", local_rank=self.local_rank, outer_step=r.outer_step, epoch=view.epoch,
+                               members=list(view.members), num_contributors=r.num_contributors, skipped=r.skipped)
 
     def close(self) -> None:
         if self.ckpt is not None:
             self.ckpt.close()  # the last save is on disk before the process ends
         self.metrics.close()
         self.mesh.close()
+        destroy_local_mesh()
 
 
 def run_node(cfg: RunConfig, *, node: int, coordinator: str, run_dir: pathlib.Path, num_threads: int = 1,
-             resume: Checkpoint | None = None) -> NodeSummary:
-    """Train one node to the end of the run (or to train.stop_after_outer_steps); `resume`: continue from
-    that checkpoint's part number `node` (the launcher starts as many nodes as the checkpoint has parts)."""
+             resume: Checkpoint | None = None, local_rank: int = 0,
+             local_rendezvous: Rendezvous | None = None) -> NodeSummary:
+    """Train one node (this process: one of its local ranks) to the end of the run or to
+    train.stop_after_outer_steps; `resume`: continue from that checkpoint's node number `node`."""
     torch.set_num_threads(num_threads)
-    n = Node(cfg, node=node, coordinator=coordinator, run_dir=run_dir, resume=resume)
+    n = Node(cfg, node=node, coordinator=coordinator, run_dir=run_dir, resume=resume, local_rank=local_rank,
+             local_rendezvous=local_rendezvous)
     try:
         n.start(resume)
         diloco, stop_at = n.diloco, cfg.train.stop_after_outer_steps
         if stop_at and diloco.num_outer_steps_done >= stop_at:
-            say(f"[node {node}] already past train.stop_after_outer_steps={stop_at}: running to the end")
+            n.say(f"[node {node}] already past train.stop_after_outer_steps={stop_at}: running to the end")
             stop_at = 0
         tokens_per_step, sent = cfg.train.batch_size * cfg.train.seq_len, 0
         losses, outer, window_start = [], None, time.monotonic()
         while (step := diloco.num_inner_steps_done + 1) <= cfg.train.num_steps:
             inputs_BL, targets_BL = next(n.batches)
             lr = n.sched.get_last_lr()[0]
-            losses.append(train_step(n.model, n.opt, n.sched, inputs_BL, targets_BL, cfg))
-            n.metrics.write("step", step=step, loss=losses[-1], lr=lr)
+            ce = train_step(n.model, n.opt, n.sched, inputs_BL, targets_BL, cfg, local_rank=local_rank)
+            losses.append(local_all_reduce_mean(ce, n.local_mesh))  # the node's loss: all its ranks' batches
+            n.write("step", step=step, loss=losses[-1], lr=lr)
             try:
                 result = diloco.step()
             except Evicted as e:  # frozen or cut off: come back as a new node with the others' state
-                say(f"[node {node}] {e}")
+                n.say(f"[node {node}] {e}")
                 result = n.catch_up(rejoin=True)
-                n.metrics.write("rejoined", node_id=n.mesh.client.node, slot=n.mesh.client.slot,
-                                step=diloco.num_inner_steps_done)
+                n.write("rejoined", node_id=n.mesh.node_id, slot=n.mesh.slot, step=diloco.num_inner_steps_done)
             if result is not None:
-                outer, sent = result, sent + result.bytes_sent
-                _report_outer(n.metrics, node, step, result)
+                # Each local rank's ring carries its shard: the node's traffic is the sum over its ranks.
+                node_sent, node_received = local_sum([result.bytes_sent, result.bytes_received], n.local_mesh)
+                outer = attrs.evolve(result, bytes_sent=int(node_sent), bytes_received=int(node_received))
+                sent += outer.bytes_sent
+                n.report_outer(step, outer)
                 stopping = bool(stop_at) and diloco.num_outer_steps_done >= stop_at
                 if n.checkpoint_due(stopping):
                     n.save()
                 if stopping:
-                    say(f"[node {node}] stopping after outer step {stop_at} (train.stop_after_outer_steps); "
-                        f"continue with --resume latest")
+                    n.say(f"[node {node}] stopping after outer step {stop_at} (train.stop_after_outer_steps); "
+                          f"continue with --resume latest")
                     break
             if step % cfg.train.log_every == 0 or step == cfg.train.num_steps:
                 elapsed, window_start = time.monotonic() - window_start, time.monotonic()
-                say(progress_line(node=node, step=step, num_steps=cfg.train.num_steps, loss=losses[-1],
-                                  tokens_per_s=tokens_per_step * cfg.train.log_every / elapsed,
-                                  outer_steps=diloco.num_outer_steps_done, bytes_sent=sent, lr=lr))
+                n.say(progress_line(node=node, step=step, num_steps=cfg.train.num_steps, loss=losses[-1],
+                                    tokens_per_s=tokens_per_step * cfg.train.log_every / elapsed,
+                                    outer_steps=diloco.num_outer_steps_done, bytes_sent=sent, lr=lr))
         summary = NodeSummary(node=node, first_loss=losses[0] if losses else float("nan"),
                               last_loss=losses[-1] if losses else float("nan"),
                               num_outer_steps=diloco.num_outer_steps_done,
                               last_hash=outer.state_hash if outer else "", bytes_sent=sent)
         if n.ckpt is not None:
             n.ckpt.close()  # the last save is on disk before the node reports its end
-        n.metrics.write("end", **attrs.asdict(summary))
+        n.write("end", **attrs.asdict(summary))
         return summary
     finally:
         n.close()
 
 
-def _report_outer(metrics: MetricsWriter, node: int, step: int, r: OuterStepResult) -> None:
-    metrics.write("outer", step=step, **attrs.asdict(r))
+def _say_outer(node: int, r: OuterStepResult) -> None:
     if r.skipped:
         say(f"[node {node}] outer step {r.outer_step} SKIPPED after {r.num_tries - 1} failed tries (on every node)")
         return

@@ -1,0 +1,75 @@
+"""The accelerators a run will use, checked against its config before anything is allocated.
+
+A node runs `fsdp.num_local_ranks` processes, one per GPU (INTELLECT-1, section 2.2: FSDP2 inside each
+node). Before a run starts, `check_hardware` makes sure that this machine shows that many GPUs and that
+each can hold its share of the model (openprime.train.planner); on a machine without CUDA the ranks are
+CPU processes and there is no device memory to check. `check_local_ranks` is also what a started process
+calls with the local world size it was started with, so that a mesh of the wrong shape is a clear error
+instead of a hang in the first collective.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from openprime.core.errors import ConfigError
+from openprime.fsdp import FSDPConfig
+from openprime.train.config import RunConfig
+from openprime.train.planner import GPU, GPUS, check_fits
+
+
+def detect_device_type() -> str:
+    """The device a run on this machine computes on: "cuda" when a GPU is visible, else "cpu"."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def visible_gpu(num_devices: int = 1) -> GPU:
+    """The smallest of the first `num_devices` visible CUDA devices, as the planner describes a GPU.
+
+    Its memory is what the device reports; its peak FLOP/s is the planner's for a known model (H100,
+    H200, A100) and an H100's otherwise (only step-time estimates use it).
+    """
+    count = min(num_devices, torch.cuda.device_count())
+    if count < 1:
+        raise ConfigError("no CUDA device is visible")
+    props = min((torch.cuda.get_device_properties(i) for i in range(count)), key=lambda p: p.total_memory)
+    known = next((gpu for key, gpu in GPUS.items() if key in props.name.lower()), None)
+    peak_flops = known.peak_flops if known is not None else GPUS["h100"].peak_flops
+    return GPU(name=props.name, memory_bytes=props.total_memory, peak_flops=peak_flops)
+
+
+def check_local_ranks(fsdp: FSDPConfig, *, device_type: str, local_world_size: int | None = None) -> None:
+    """Raise a ConfigError if the node's processes cannot form the mesh that `fsdp` asks for.
+
+    On CUDA every local rank needs a GPU of its own, so `fsdp.num_local_ranks` may not exceed the visible
+    devices. `local_world_size`, when given, is the number of local processes this one was started among
+    (a launcher's or torchrun's LOCAL_WORLD_SIZE); it must equal `fsdp.num_local_ranks`.
+    """
+    ranks = fsdp.num_local_ranks
+    if local_world_size is not None and local_world_size != ranks:
+        raise ConfigError(f"this process was started as one of {local_world_size} local processes, but "
+                          f"fsdp.num_local_ranks is {ranks}: start {ranks} processes per node, or "
+                          f"--set fsdp.num_local_ranks={local_world_size}")
+    if device_type == "cuda":
+        visible = torch.cuda.device_count()
+        if ranks > visible:
+            shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+            which = f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else ""
+            raise ConfigError(f"fsdp.num_local_ranks is {ranks}, but this machine shows {visible} CUDA "
+                              f"device(s){which}, and every local rank needs one: --set "
+                              f"fsdp.num_local_ranks={max(1, visible)} (if the batch still splits), or make "
+                              f"more devices visible")
+
+
+def check_hardware(cfg: RunConfig, *, device_type: str | None = None) -> None:
+    """Before a run starts: on CUDA, enough GPUs for the local ranks, and each one large enough for its share.
+
+    On CPU (no CUDA visible) nothing is checked: the ranks are processes and the memory is the host's.
+    """
+    device_type = device_type or detect_device_type()
+    if device_type != "cuda":
+        return
+    check_local_ranks(cfg.fsdp, device_type=device_type)
+    check_fits(cfg, visible_gpu(cfg.fsdp.num_local_ranks))
