@@ -45,6 +45,7 @@ from openprime.train.checkpointing import (
 )
 from openprime.train.config import RunConfig
 from openprime.train.data import PackedBatches, Split, load_tokens, prepare_data
+from openprime.train.hardware import check_local_ranks, detect_device_type
 from openprime.train.loss import loss_with_max_z
 from openprime.train.metrics import MetricsWriter, human_bytes, progress_line, say
 from openprime.train.model import Llama
@@ -93,13 +94,13 @@ def join_mesh(cfg: RunConfig, coordinator: str, *, slot: int = -1, local_rank: i
                              local_group=local_mesh.get_group() if local_mesh is not None else None)
 
 
-def build_model(cfg: RunConfig, local_mesh: DeviceMesh | None) -> Llama:
+def build_model(cfg: RunConfig, local_mesh: DeviceMesh | None, device: torch.device) -> Llama:
     """The model, built on the meta device, parallelised as `cfg.fsdp` says, then allocated (each local rank
     only its shards) and initialised from the run's seed: the same weights however many ranks share it."""
     with torch.device("meta"):
         model = Llama(cfg.model)
     parallelize(model, model.layers, local_mesh, config=cfg.fsdp)
-    materialize(model, device="cpu", init=lambda: model.init_weights(seed=cfg.train.seed))
+    materialize(model, device=device, init=lambda: model.init_weights(seed=cfg.train.seed))
     return model
 
 
@@ -172,13 +173,18 @@ class Node:
                  resume: Checkpoint | None, local_rank: int = 0, local_rendezvous: Rendezvous | None = None) -> None:
         self.cfg, self.node, self.coordinator, self.run_dir = cfg, node, coordinator, run_dir
         self.local_rank, self.local_mesh = local_rank, None
+        device_type = detect_device_type()
+        check_local_ranks(cfg.fsdp, device_type=device_type,
+                          local_world_size=cfg.fsdp.num_local_ranks if local_rendezvous is not None else 1)
+        # One GPU per local rank; on a machine without one, each local rank is a CPU process.
+        self.device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
+        if device_type == "cuda":
+            torch.cuda.set_device(self.device)
         if cfg.fsdp.sharded:
-            if local_rendezvous is None:
-                raise ConfigError(f"fsdp.num_local_ranks={cfg.fsdp.num_local_ranks} needs one process per local "
-                                  "rank, started by the launcher (openprime run)")
             self.local_mesh = init_local_mesh(rank=local_rank, world_size=cfg.fsdp.num_local_ranks,
-                                              rendezvous=local_rendezvous, timeout_s=cfg.local_group_timeout_s)
-        self.model = build_model(cfg, self.local_mesh)
+                                              rendezvous=local_rendezvous, timeout_s=cfg.local_group_timeout_s,
+                                              device_type=device_type)
+        self.model = build_model(cfg, self.local_mesh, self.device)
         self.opt = build_optimizer(self.model, cfg.optim)
         self.sched = build_lr_scheduler(self.opt, num_warmup_steps=cfg.schedule.num_warmup_steps,
                                         num_decay_steps=cfg.schedule.num_decay_steps,
@@ -299,7 +305,7 @@ def run_node(cfg: RunConfig, *, node: int, coordinator: str, run_dir: pathlib.Pa
         tokens_per_step, sent = cfg.train.batch_size * cfg.train.seq_len, 0
         losses, outer, window_start = [], None, time.monotonic()
         while (step := diloco.num_inner_steps_done + 1) <= cfg.train.num_steps:
-            inputs_BL, targets_BL = next(n.batches)
+            inputs_BL, targets_BL = (t.to(n.device, non_blocking=True) for t in next(n.batches))
             lr = n.sched.get_last_lr()[0]
             ce = train_step(n.model, n.opt, n.sched, inputs_BL, targets_BL, cfg, local_rank=local_rank)
             losses.append(local_all_reduce_mean(ce, n.local_mesh))  # the node's loss: all its ranks' batches
