@@ -42,8 +42,12 @@ def test_sharded_nodes_end_with_the_unsharded_global_weights(runs):
     assert plain.keys() == sharded.keys()
     for name, weight in plain.items():
         assert sharded[name].shape == weight.shape, name
-        # Only the order of the floating-point sums differs (reduce-scatter, two rings instead of one).
-        torch.testing.assert_close(sharded[name], weight, rtol=1e-4, atol=1e-4, msg=name)
+        # Only the order of the floating-point sums differs (reduce-scatter, two rings instead of one), and
+        # AdamW turns that roundoff into whole updates of lr = 3e-3 only where a gradient is near 0 (embedding
+        # rows of tokens seen once or twice): measured max 2.4e-4 there, 1e-5 elsewhere, mean 7e-8. A real
+        # error (a shard not updated, a wrong average) moves weights by about lr per step, 1e-1 over 60 steps.
+        gap = (sharded[name] - weight).abs()
+        assert float(gap.max()) < 1e-3 and float(gap.mean()) < 1e-6, (name, float(gap.max()), float(gap.mean()))
     assert not all(torch.equal(sharded[k], plain[k]) for k in plain)  # two real computations, not one copied
 
 

@@ -1,4 +1,7 @@
-"""Tests of the local-text data pipeline: tokenizer, cache, splits and packed batches."""
+"""Tests of the data pipeline on the built-in corpora: tokenizer, cache, splits, packed batches, the config.
+
+Mixtures of local files, their batches and the tokenizer tool are tested in test_data_mixture.py.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ from openprime.train.data import (
     PackedBatches,
     Source,
     Split,
+    WeightedSource,
+    cache_key,
     cpython_documents,
     kjv_documents,
     load_tokenizer,
@@ -60,21 +65,29 @@ def test_tokenizer_round_trips_real_text(prepared):
     assert len(tokenizer.encode(verse).ids) < len(verse.encode()) / 2.5
 
 
-def test_vocab_size_and_stream(prepared, small_cfg):
+def test_vocab_size_and_streams(prepared, small_cfg):
     assert prepared.vocab_size == load_tokenizer(prepared).get_vocab_size() == small_cfg.vocab_size
-    stream = np.load(prepared.tokens_path)
-    assert stream.dtype == np.uint16
-    assert len(stream) == prepared.num_tokens
-    assert stream.max() < small_cfg.vocab_size
-    assert (stream == prepared.eot_id).sum() == prepared.num_documents
-    assert stream[-1] == prepared.eot_id
+    assert [s.spec for s in prepared.sources] == ["kjv", "cpython"]
+    for source in prepared.sources:
+        stream = np.load(source.tokens_path)
+        assert stream.dtype == np.uint16
+        assert len(stream) == source.num_tokens
+        assert stream.max() < small_cfg.vocab_size
+        assert (stream == prepared.eot_id).sum() == source.num_documents
+        assert stream[-1] == prepared.eot_id
+        assert 0 < source.num_chars <= SMALL_CHARS
+    assert prepared.num_tokens == sum(s.num_tokens for s in prepared.sources)
 
 
-def test_train_and_val_split_the_stream(prepared):
-    train, val = load_tokens(prepared, Split.TRAIN), load_tokens(prepared, "val")
-    assert len(train) + len(val) == prepared.num_tokens
-    assert len(val) == int(prepared.num_tokens * 0.05)
-    assert np.array_equal(np.concatenate([train, val]), np.load(prepared.tokens_path))
+def test_train_and_val_split_each_source(prepared):
+    for i, source in enumerate(prepared.sources):
+        train, val = load_tokens(prepared, Split.TRAIN, i), load_tokens(prepared, "val", source.spec)
+        assert len(train) + len(val) == source.num_tokens
+        assert len(val) == int(source.num_tokens * 0.05)
+        assert np.array_equal(np.concatenate([train, val]), np.load(source.tokens_path))
+    # Without a source: every source's part, in mixture order.
+    assert np.array_equal(load_tokens(prepared, Split.TRAIN),
+                          np.concatenate([load_tokens(prepared, Split.TRAIN, i) for i in range(2)]))
 
 
 def test_prepare_twice_reuses_the_cache(prepared, small_cfg):
@@ -85,8 +98,13 @@ def test_prepare_twice_reuses_the_cache(prepared, small_cfg):
     assert again == prepared
     assert {p: p.stat().st_mtime_ns for p in again.directory.iterdir()} == mtimes
     assert not [p for p in prepared.directory.iterdir() if p.name.endswith(".tmp")]
-    # val_fraction and seed do not change the tokens, so they share the entry.
+    # val_fraction, seed, weights and names do not change the tokens, so they share the entry.
     assert prepare_data(attrs.evolve(small_cfg, val_fraction=0.1, seed=3)).directory == prepared.directory
+    weighted = (WeightedSource(source=Source.KJV, weight=3.0, name="bible"), WeightedSource(source="cpython"))
+    assert prepare_data(attrs.evolve(small_cfg, mixture=weighted)).directory == prepared.directory
+    # The sources do.
+    assert cache_key(attrs.evolve(small_cfg, sources=(Source.KJV,))) != cache_key(small_cfg)
+    assert cache_key(attrs.evolve(small_cfg, sources=(Source.CPYTHON, Source.KJV))) != cache_key(small_cfg)
 
 
 def test_preparation_is_deterministic(prepared, small_cfg, tmp_path):
@@ -171,9 +189,12 @@ def test_too_little_data_is_refused():
 
 
 @pytest.mark.parametrize(("changes", "message"), [
-    ({"sources": ()}, "DataConfig.sources"),
+    ({"sources": ()}, "DataConfig.sources is empty"),
     ({"sources": (Source.KJV, Source.KJV)}, "twice"),
     ({"sources": ("kjv",)}, "DataConfig.sources"),
+    ({"mixture": ()}, "DataConfig.mixture is empty"),
+    ({"mixture": ("kjv",)}, r"DataConfig.mixture\[0\] is 'kjv', not a WeightedSource"),
+    ({"mixture": (WeightedSource(source="/data/x", weight=2.0),), "sources": (Source.KJV,)}, "set only mixture"),
     ({"vocab_size": 200}, "DataConfig.vocab_size"),
     ({"val_fraction": 1.0}, "DataConfig.val_fraction"),
     ({"max_chars_per_source": 0}, "DataConfig.max_chars_per_source"),
@@ -183,6 +204,25 @@ def test_bad_configs_are_refused(changes, message):
         DataConfig(**changes)
 
 
+def test_the_default_is_kjv_and_cpython_with_equal_weights():
+    cfg = DataConfig()
+    assert [entry.corpus for entry in cfg.mixture] == [Source.KJV, Source.CPYTHON]
+    assert cfg.weights == (0.5, 0.5)
+
+
+def test_sources_is_a_shorthand_for_an_equal_mixture():
+    cfg = DataConfig(sources=(Source.CPYTHON,))
+    assert cfg == DataConfig(mixture=(WeightedSource(source=Source.CPYTHON),))
+    assert cfg.sources is None and cfg.weights == (1.0,)
+    # A plain mixture of corpora can be replaced by sources (as --set data.sources=... does) ...
+    assert attrs.evolve(cfg, sources=(Source.KJV,)).mixture == (WeightedSource(source=Source.KJV),)
+    # ... a weighted one cannot: the weights would be lost silently.
+    weighted = DataConfig(mixture=(WeightedSource(source=Source.KJV, weight=2.0),))
+    with pytest.raises(ConfigError, match="set only mixture"):
+        attrs.evolve(weighted, sources=(Source.KJV,))
+
+
 def test_sources_can_be_set_from_the_command_line():
-    assert override(DataConfig(), "sources", "kjv").sources == (Source.KJV,)
-    assert override(DataConfig(), "sources", "cpython,kjv").sources == (Source.CPYTHON, Source.KJV)
+    assert override(DataConfig(), "sources", "kjv").mixture == (WeightedSource(source=Source.KJV),)
+    assert [e.corpus for e in override(DataConfig(), "sources", "cpython,kjv").mixture] == [Source.CPYTHON,
+                                                                                             Source.KJV]

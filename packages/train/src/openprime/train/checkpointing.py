@@ -39,7 +39,7 @@ from openprime.ckpt.state import flatten, unflatten
 from openprime.core.config import to_dict
 from openprime.core.errors import ConfigError
 from openprime.diloco import DiLoCo, ExtraState
-from openprime.train.data import PackedBatches
+from openprime.train.data import MixtureBatches
 from openprime.train.model import ModelConfig
 
 
@@ -97,7 +97,7 @@ def node_checkpointer(cfg: CheckpointConfig, run_dir: pathlib.Path, part: str) -
 
 
 def node_state(*, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
-               diloco: DiLoCo, batches: PackedBatches, model_cfg: ModelConfig) -> dict[str, Any]:
+               diloco: DiLoCo, batches: MixtureBatches, model_cfg: ModelConfig) -> dict[str, Any]:
     """Everything this node needs to continue exactly (live tensors: the checkpointer snapshots them)."""
     return {
         "model": local_state(get_model_state_dict(model)),
@@ -111,7 +111,7 @@ def node_state(*, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: tor
 
 
 def restore_node(state: dict[str, Any], *, model: torch.nn.Module, opt: torch.optim.Optimizer,
-                 sched: torch.optim.lr_scheduler.LRScheduler, diloco: DiLoCo, batches: PackedBatches) -> None:
+                 sched: torch.optim.lr_scheduler.LRScheduler, diloco: DiLoCo, batches: MixtureBatches) -> None:
     """Put a node back where `node_state` found it."""
     set_model_state_dict(model, sharded_like(state["model"], get_model_state_dict(model)))
     set_optimizer_state_dict(model, opt, sharded_like(state["optim"], get_optimizer_state_dict(model, opt)))

@@ -44,7 +44,7 @@ from openprime.train.checkpointing import (
     slot_of_part,
 )
 from openprime.train.config import RunConfig
-from openprime.train.data import PackedBatches, Split, load_tokens, prepare_data
+from openprime.train.data import MixtureBatches, node_batches, prepare_data
 from openprime.train.hardware import check_local_ranks, detect_device_type
 from openprime.train.loss import loss_with_max_z
 from openprime.train.metrics import MetricsWriter, human_bytes, progress_line, say
@@ -66,15 +66,14 @@ class NodeSummary:
     bytes_sent: int
 
 
-def build_batches(cfg: RunConfig, slot: int) -> PackedBatches:
-    """This node's disjoint share of the data: shard `slot` of `mesh.max_nodes` (the coordinator's slot)."""
+def build_batches(cfg: RunConfig, slot: int) -> MixtureBatches:
+    """This node's disjoint share of the data mixture: slot `slot` of `mesh.max_nodes` (the coordinator's slot)."""
     prepared = prepare_data(cfg.data)
     if prepared.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"the tokenizer has {prepared.vocab_size} tokens but model.vocab_size is "
                           f"{cfg.model.vocab_size}; raise model.vocab_size")
-    return PackedBatches(load_tokens(prepared, Split.TRAIN), seq_len=cfg.train.seq_len,
-                         batch_size=cfg.train.batch_size, node_rank=slot, num_nodes=cfg.mesh.max_nodes,
-                         seed=cfg.data.seed + slot)
+    return node_batches(prepared, cfg.data, seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size,
+                        slot=slot, num_slots=cfg.mesh.max_nodes)
 
 
 def join_mesh(cfg: RunConfig, coordinator: str, *, slot: int = -1, local_rank: int = 0,
@@ -200,7 +199,7 @@ class Node:
         self.diloco = DiLoCo(self.model.parameters(), config=cfg.diloco, timeouts=cfg.timeouts, membership=self.mesh,
                              codec=codec_for(cfg.diloco.compression), joining=self.joining,
                              extra=InnerOptimizerState(self.model, self.opt))
-        self.batches: PackedBatches | None = None
+        self.batches: MixtureBatches | None = None
 
     def write(self, kind: str, **fields: object) -> None:
         if self.local_rank == 0:

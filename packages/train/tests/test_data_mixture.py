@@ -1,0 +1,411 @@
+"""Tests of weighted mixtures of local sources (paper Table 1): reading files, weighted and disjoint batches,
+exact resume, validation batches, the errors a user sees, and tools/train_tokenizer.py."""
+
+from __future__ import annotations
+
+import gzip
+import itertools
+import json
+import pathlib
+import subprocess
+import sys
+from collections import Counter
+
+import attrs
+import numpy as np
+import pytest
+
+from openprime.core.errors import ConfigError
+from openprime.train.data import (
+    DataConfig,
+    MixtureBatches,
+    PackedBatches,
+    Source,
+    Split,
+    WeightedSource,
+    cache_key,
+    cpython_documents,
+    kjv_documents,
+    load_tokens,
+    node_batches,
+    parse_mixture,
+    prepare_data,
+    read_documents,
+    source_files,
+    validation_batches,
+)
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+SEQ_LEN, BATCH_SIZE = 16, 10
+WEIGHTS = (55.0, 25.0, 20.0)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> pathlib.Path:
+    """Real text as a user would download it: a directory of .txt chapters and a gzipped .jsonl of code."""
+    root = tmp_path_factory.mktemp("corpus")
+    (root / "bible" / "nested").mkdir(parents=True)
+    for i, chapter in enumerate(itertools.islice(kjv_documents(), 40)):
+        (root / "bible" / ("nested" if i % 2 else "") / f"chapter{i:03d}.txt").write_text(chapter)
+    (root / "bible" / "README.md").write_text("not a document: only .txt / .jsonl / .parquet are read")
+    code = itertools.islice(cpython_documents(), 200, 240)  # not the files the cpython corpus starts with
+    with gzip.open(root / "code.jsonl.gz", "wt", encoding="utf-8") as f:
+        for i, text in enumerate(code):
+            f.write(json.dumps({"id": i, "content": text}) + "\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def cfg(corpus, tmp_path_factory) -> DataConfig:
+    mixture = (WeightedSource(source=str(corpus / "bible"), weight=WEIGHTS[0], name="bible"),
+               WeightedSource(source=str(corpus / "code.jsonl.gz"), weight=WEIGHTS[1], text_field="content",
+                              name="code"),
+               WeightedSource(source=Source.CPYTHON, weight=WEIGHTS[2]))
+    return DataConfig(mixture=mixture, vocab_size=512, max_chars_per_source=60_000, val_fraction=0.1,
+                      cache_dir=str(tmp_path_factory.mktemp("cache")))
+
+
+@pytest.fixture(scope="module")
+def prepared(cfg):
+    return prepare_data(cfg)
+
+
+def _row_sources(prepared, split: Split) -> dict[bytes, int]:
+    """Which source each sequence (row of SEQ_LEN + 1 tokens) of `split` comes from."""
+    owner: dict[bytes, int] = {}
+    for i in range(len(prepared.sources)):
+        tokens = load_tokens(prepared, split, i)
+        for r in range(len(tokens) // (SEQ_LEN + 1)):
+            row = tokens[r * (SEQ_LEN + 1):(r + 1) * (SEQ_LEN + 1)].astype(np.int64).tobytes()
+            assert owner.setdefault(row, i) == i, "two sources share a sequence: the test could not tell them apart"
+    return owner
+
+
+def _rows_of(batch) -> list[bytes]:
+    inputs_BL, targets_BL = batch
+    full_BS = np.concatenate([inputs_BL.numpy(), targets_BL[:, -1:].numpy()], axis=1)
+    return [row.tobytes() for row in full_BS]
+
+
+def _draw(prepared, cfg, *, slot: int, num_slots: int, num_batches: int):
+    batches = node_batches(prepared, cfg, seq_len=SEQ_LEN, batch_size=BATCH_SIZE, slot=slot, num_slots=num_slots)
+    drawn = [next(batches) for _ in range(num_batches)]
+    return batches, drawn
+
+
+def test_local_sources_are_read_as_documents(corpus, cfg):
+    bible, code, _ = cfg.mixture
+    files = source_files(bible)
+    assert files == sorted(files)
+    assert len(files) == 40 and all(f.suffix == ".txt" for f in files)  # README.md is not a document
+    assert read_documents(bible, 10**9)[0].startswith("Genesis 1\n\n")
+    documents = read_documents(code, 10**9)
+    assert len(documents) == 40 and documents[0] == next(itertools.islice(cpython_documents(), 200, None))
+    assert sum(map(len, read_documents(code, 1000))) == 1000  # max_chars cuts the source short
+    glob_entry = WeightedSource(source=str(corpus / "bible" / "**" / "*.txt"))
+    assert source_files(glob_entry) == files
+
+
+def test_each_source_is_tokenized_on_its_own(prepared, cfg):
+    assert [s.spec for s in prepared.sources] == [e.spec for e in cfg.mixture]
+    assert all(0 < s.num_chars <= cfg.max_chars_per_source for s in prepared.sources)
+    assert prepared.vocab_size == 512
+
+
+def test_batches_draw_from_the_sources_by_weight(prepared, cfg):
+    owner = _row_sources(prepared, Split.TRAIN)
+    batches, drawn = _draw(prepared, cfg, slot=0, num_slots=2, num_batches=300)
+    per_source = Counter(owner[row] for batch in drawn for row in _rows_of(batch))
+    shares = np.array([per_source[i] for i in range(3)]) / (300 * BATCH_SIZE)
+    # Expected exactly the weights; the per-batch remainder draw leaves well under 1% over 3000 sequences.
+    assert np.allclose(shares, np.array(WEIGHTS) / sum(WEIGHTS), atol=0.01), shares
+    # Every batch is within one sequence of batch_size * weight (5.5, 2.5, 2.0 here).
+    batches, drawn = _draw(prepared, cfg, slot=0, num_slots=2, num_batches=50)
+    for batch in drawn:
+        counts = Counter(owner[row] for row in _rows_of(batch))
+        assert counts[0] in (5, 6) and counts[1] in (2, 3) and counts[2] == 2
+    assert batches.last_counts == tuple(Counter(owner[row] for row in _rows_of(drawn[-1]))[i] for i in range(3))
+
+
+# Synthetic streams where every token is its own position plus SOURCE_STRIDE * source: each sequence
+# tells which source and which row it is, even where real text repeats itself.
+SOURCE_STRIDE = 10**7
+SYNTHETIC_ROWS = (1500, 700, 400)
+
+
+def _synthetic(*, slot: int, num_slots: int, seed: int = 0) -> MixtureBatches:
+    streams = [np.arange(n * (SEQ_LEN + 1), dtype=np.uint32) + i * SOURCE_STRIDE
+               for i, n in enumerate(SYNTHETIC_ROWS)]
+    return MixtureBatches(streams, WEIGHTS, seq_len=SEQ_LEN, batch_size=BATCH_SIZE, slot=slot, num_slots=num_slots,
+                          seed=seed)
+
+
+def _source_rows(batch) -> list[tuple[int, int]]:
+    """(source, row) of every sequence of a synthetic batch, after checking it is a whole row, shifted."""
+    inputs_BL, targets_BL = batch
+    first_B = inputs_BL[:, 0].numpy()
+    expected_BL = first_B[:, None] + np.arange(SEQ_LEN)
+    assert np.array_equal(inputs_BL.numpy(), expected_BL) and np.array_equal(targets_BL.numpy(), expected_BL + 1)
+    assert np.all(first_B % SOURCE_STRIDE % (SEQ_LEN + 1) == 0)
+    return [(int(t // SOURCE_STRIDE), int(t % SOURCE_STRIDE // (SEQ_LEN + 1))) for t in first_B]
+
+
+def test_slots_get_disjoint_shares_of_every_source():
+    seen = []
+    for slot in range(3):
+        batches = _synthetic(slot=slot, num_slots=3)
+        drawn = {row for _ in range(300) for row in _source_rows(next(batches))}
+        assert min(batches.epochs) >= 1  # every source went round at least once
+        assert all(row % 3 == slot for _, row in drawn)
+        seen.append(drawn)
+    assert not (seen[0] & seen[1]) and not (seen[0] & seen[2]) and not (seen[1] & seen[2])
+    # Together the slots cover every sequence of every source.
+    assert seen[0] | seen[1] | seen[2] == {(i, r) for i, n in enumerate(SYNTHETIC_ROWS) for r in range(n)}
+
+
+def test_a_source_that_runs_out_starts_its_next_epoch():
+    batches = _synthetic(slot=1, num_slots=2)
+    uses: Counter = Counter()
+    for _ in range(400):
+        uses.update(_source_rows(next(batches)))
+        # No sequence repeats before its source has used all the slot's: after any batch the use counts of a
+        # source's rows differ by at most one.
+        for i in range(3):
+            counts = [uses[(i, r)] for r in range(1, SYNTHETIC_ROWS[i], 2)]
+            assert max(counts) - min(counts) <= 1
+    for i, source in enumerate(batches.sources):
+        assert len(source.row_ids) == SYNTHETIC_ROWS[i] // 2
+        drawn = sum(n for (s, _), n in uses.items() if s == i)
+        assert batches.epochs[i] == drawn // len(source.row_ids)  # epochs are counted per source
+    # The 20% source, a quarter the size of the 55% one, wraps more often.
+    assert batches.epochs[2] > batches.epochs[0] >= 1
+
+
+def test_every_epoch_is_a_new_permutation():
+    one = MixtureBatches([np.arange(40 * (SEQ_LEN + 1), dtype=np.uint32)], [1.0], seq_len=SEQ_LEN, batch_size=8,
+                         slot=0, num_slots=1, seed=0)
+    epochs = [[row for _ in range(5) for _, row in _source_rows(next(one))] for _ in range(3)]
+    assert all(sorted(rows) == list(range(40)) for rows in epochs)
+    assert epochs[0] != epochs[1] != epochs[2] and one.epochs == [3]
+
+
+def test_proportions_converge_to_the_weights():
+    batches = _synthetic(slot=0, num_slots=1, seed=5)
+    totals = np.zeros(3)
+    for _ in range(1000):
+        counts = np.bincount([source for source, _ in _source_rows(next(batches))], minlength=3)
+        assert np.array_equal(counts, batches.last_counts)
+        totals += counts
+    # 10,000 sequences: the remainder draw's noise is about 0.3% of a share; 1% is a wide margin.
+    assert np.allclose(totals / totals.sum(), np.array(WEIGHTS) / sum(WEIGHTS), atol=0.01), totals
+
+
+def test_state_dict_resumes_exactly():
+    for stop in (0, 1, 137, 251):  # 251 batches: every source is past an epoch boundary
+        batches = _synthetic(slot=1, num_slots=2, seed=3)
+        for _ in range(stop):
+            next(batches)
+        state = json.loads(json.dumps(batches.state_dict()))  # it goes into a JSON checkpoint
+        assert all(isinstance(v, int) or all(isinstance(x, int) for x in v) for v in state.values())
+        expected = [next(batches) for _ in range(60)]
+        resumed = _synthetic(slot=1, num_slots=2, seed=3)
+        resumed.load_state_dict(state)
+        for (x, y), (rx, ry) in zip(expected, (next(resumed) for _ in range(60)), strict=True):
+            assert x.equal(rx) and y.equal(ry)
+        assert resumed.state_dict() == batches.state_dict()
+    with pytest.raises(ValueError, match="slot"):
+        _synthetic(slot=0, num_slots=2, seed=3).load_state_dict(state)
+    with pytest.raises(ValueError, match="seed"):
+        _synthetic(slot=1, num_slots=2, seed=4).load_state_dict(state)
+    old = PackedBatches(np.arange(1000, dtype=np.uint16), seq_len=SEQ_LEN, batch_size=2, node_rank=0, num_nodes=1,
+                        seed=0)
+    with pytest.raises(ValueError, match="not saved by MixtureBatches"):
+        _synthetic(slot=1, num_slots=2).load_state_dict(old.state_dict())
+
+
+def test_node_batches_resume_exactly(prepared, cfg):
+    batches, _ = _draw(prepared, cfg, slot=2, num_slots=3, num_batches=137)
+    state = json.loads(json.dumps(batches.state_dict()))
+    expected = [next(batches) for _ in range(20)]
+    resumed, _ = _draw(prepared, cfg, slot=2, num_slots=3, num_batches=0)
+    resumed.load_state_dict(state)
+    assert all(x.equal(rx) and y.equal(ry) for (x, y), (rx, ry) in zip(expected, resumed, strict=False))
+
+
+def test_the_seed_decides_the_batches(prepared, cfg):
+    _, a = _draw(prepared, cfg, slot=0, num_slots=1, num_batches=3)
+    _, b = _draw(prepared, cfg, slot=0, num_slots=1, num_batches=3)
+    _, c = _draw(prepared, attrs.evolve(cfg, seed=1), slot=0, num_slots=1, num_batches=3)
+    assert all(x[0].equal(y[0]) for x, y in zip(a, b, strict=True))
+    assert not all(x[0].equal(z[0]) for x, z in zip(a, c, strict=True))
+
+
+def test_validation_batches_are_deterministic_and_held_out(prepared, cfg):
+    owner = _row_sources(prepared, Split.VAL)
+    first = list(validation_batches(prepared, cfg, seq_len=SEQ_LEN, batch_size=BATCH_SIZE))
+    again = list(validation_batches(prepared, cfg, seq_len=SEQ_LEN, batch_size=BATCH_SIZE))
+    assert len(first) >= 5
+    assert all(x.equal(rx) and y.equal(ry) for (x, y), (rx, ry) in zip(first, again, strict=True))
+    rows = [row for batch in first for row in _rows_of(batch)]
+    assert all(row in owner for row in rows) and not set(rows) & set(_row_sources(prepared, Split.TRAIN))
+    # The default number of batches reads no tail twice.
+    assert all(n <= sum(o == i for o in owner.values()) for i, n in Counter(owner[row] for row in rows).items())
+    shares = np.bincount([owner[row] for row in rows], minlength=3) / len(rows)
+    assert np.allclose(shares, np.array(WEIGHTS) / sum(WEIGHTS), atol=0.1)
+    code = list(validation_batches(prepared, cfg, seq_len=SEQ_LEN, batch_size=BATCH_SIZE, source=1))
+    assert code and {owner[row] for batch in code for row in _rows_of(batch)} == {1}
+    assert len(code) == sum(o == 1 for o in owner.values()) // BATCH_SIZE
+    more = list(validation_batches(prepared, cfg, seq_len=SEQ_LEN, batch_size=BATCH_SIZE, num_batches=200))
+    assert len(more) == 200 and all(x.equal(y[0]) for x, y in zip((b[0] for b in first), more, strict=False))
+    with pytest.raises(ConfigError, match="validation split is too small"):
+        validation_batches(prepared, cfg, seq_len=SEQ_LEN, batch_size=10_000)
+
+
+def test_cache_key_follows_the_files_not_the_weights(corpus, cfg, tmp_path):
+    key = cache_key(cfg)
+    reweighted = tuple(attrs.evolve(e, weight=1.0) for e in cfg.mixture)
+    assert cache_key(attrs.evolve(cfg, mixture=reweighted)) == key
+    renamed = (attrs.evolve(cfg.mixture[0], text_field="body"), *cfg.mixture[1:])
+    assert cache_key(attrs.evolve(cfg, mixture=renamed)) != key
+    copy = tmp_path / "bible"
+    copy.mkdir()
+    for f in source_files(cfg.mixture[0])[:3]:
+        (copy / f.name).write_text(f.read_text())
+    entry = WeightedSource(source=str(copy))
+    small = attrs.evolve(cfg, mixture=(entry,))
+    before = cache_key(small)
+    (copy / "extra.txt").write_text("a new document")
+    assert cache_key(small) != before
+
+
+def test_prepared_data_must_match_the_mixture(prepared, cfg):
+    other = attrs.evolve(cfg, mixture=cfg.mixture[:2])
+    with pytest.raises(ConfigError, match="call prepare_data with this config"):
+        node_batches(prepared, other, seq_len=SEQ_LEN, batch_size=BATCH_SIZE, slot=0, num_slots=1)
+    with pytest.raises(ConfigError, match="fewer than the 100000 data slots"):
+        node_batches(prepared, cfg, seq_len=SEQ_LEN, batch_size=BATCH_SIZE, slot=99_999, num_slots=100_000)
+
+
+# ---------------------------------------------------------------- errors a user sees
+
+
+def _prepare(tmp_path: pathlib.Path, *entries: WeightedSource):
+    return prepare_data(DataConfig(mixture=entries, vocab_size=300, max_chars_per_source=5000,
+                                   cache_dir=str(tmp_path / "cache")))
+
+
+def test_a_missing_path_names_the_path_and_the_source(tmp_path):
+    missing = tmp_path / "fineweb-edu"
+    with pytest.raises(ConfigError, match=rf"source 'fineweb-edu' \({missing}\): {missing} does not exist"):
+        _prepare(tmp_path, WeightedSource(source=str(missing), name="fineweb-edu"))
+    with pytest.raises(ConfigError, match=r"nothing matches .*\*\.parquet"):
+        _prepare(tmp_path, WeightedSource(source=str(tmp_path / "*.parquet")))
+
+
+def test_a_directory_without_documents_is_refused(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="holds no documents.*found: no files at all"):
+        _prepare(tmp_path, WeightedSource(source=str(tmp_path / "empty")))
+    (tmp_path / "csv").mkdir()
+    (tmp_path / "csv" / "data.csv").write_text("a,b\n")
+    with pytest.raises(ConfigError, match="holds no documents.*found: data.csv"):
+        _prepare(tmp_path, WeightedSource(source=str(tmp_path / "csv")))
+    (tmp_path / "data.csv").write_text("a,b\n")
+    with pytest.raises(ConfigError, match="is not a file openprime reads"):
+        _prepare(tmp_path, WeightedSource(source=str(tmp_path / "data.csv")))
+    (tmp_path / "blank").mkdir()
+    (tmp_path / "blank" / "a.txt").write_text("")
+    with pytest.raises(ConfigError, match="holds no text"):
+        _prepare(tmp_path, WeightedSource(source=str(tmp_path / "blank")))
+
+
+@pytest.mark.parametrize(("lines", "text_field", "message"), [
+    ([{"content": "hi"}], "text", r"line 1 has no field 'text' \(it has: 'content'\); set WeightedSource.text_field"),
+    ([{"text": "fine"}, {"body": "x"}], "text", "line 2 has no field 'text'"),
+    ([{"text": 3}], "text", "field 'text' is int, not text"),
+    (["[1, 2]"], "text", "line 1 has no field 'text' .*list"),
+    (["{not json"], "text", "line 1 is not JSON"),
+])
+def test_bad_jsonl_is_refused_with_the_line(tmp_path, lines, text_field, message):
+    path = tmp_path / "docs.jsonl"
+    path.write_text("\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines) + "\n")
+    with pytest.raises(ConfigError, match=message):
+        _prepare(tmp_path, WeightedSource(source=str(path), text_field=text_field))
+
+
+def test_text_that_is_not_utf8_is_refused(tmp_path):
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    with pytest.raises(ConfigError, match="latin1.txt is not UTF-8"):
+        _prepare(tmp_path, WeightedSource(source=str(tmp_path / "latin1.txt")))
+
+
+def test_parquet_without_pyarrow_says_how_to_install_it(tmp_path):
+    try:
+        import pyarrow  # noqa: F401
+        pytest.skip("pyarrow is installed, so parquet files are read")
+    except ImportError:
+        pass
+    (tmp_path / "part-0.parquet").write_bytes(b"PAR1")
+    with pytest.raises(ConfigError, match="reading it needs pyarrow: pip install pyarrow"):
+        _prepare(tmp_path, WeightedSource(source=str(tmp_path)))
+
+
+@pytest.mark.parametrize(("entry", "message"), [
+    ({"source": "kjv", "weight": 0.0}, "weight of 'kjv' must be a finite number > 0"),
+    ({"source": "kjv", "weight": -1.0}, "weight of 'kjv' must be a finite number > 0"),
+    ({"source": "kjv", "weight": float("inf")}, "finite number > 0"),
+    ({"source": "kjv", "weight": "55"}, "WeightedSource.weight must be float"),
+    ({"source": ""}, "WeightedSource.source must be a built-in corpus"),
+    ({"source": 3}, "WeightedSource.source must be a built-in corpus"),
+])
+def test_bad_entries_are_refused(entry, message):
+    with pytest.raises(ConfigError, match=message):
+        WeightedSource(**entry)
+
+
+@pytest.mark.parametrize(("mixture", "message"), [
+    ((WeightedSource(source=Source.KJV), WeightedSource(source="kjv", weight=2.0)), "lists the source 'kjv' twice"),
+    ((WeightedSource(source="./data/x"), WeightedSource(source="data/x/")), "twice"),
+    ((WeightedSource(source="/a", name="web"), WeightedSource(source="/b", name="web")), "both named 'web'"),
+])
+def test_duplicate_sources_are_refused(mixture, message):
+    with pytest.raises(ConfigError, match=message):
+        DataConfig(mixture=mixture)
+
+
+def test_the_command_line_spelling_of_a_mixture():
+    assert parse_mixture("kjv:55, /data/web/*.jsonl:10 ,cpython") == (
+        WeightedSource(source=Source.KJV, weight=55.0), WeightedSource(source="/data/web/*.jsonl", weight=10.0),
+        WeightedSource(source=Source.CPYTHON))
+    assert parse_mixture("C:/data/web")[0].source == "C:/data/web"
+
+
+# ---------------------------------------------------------------- tools/train_tokenizer.py
+
+
+def _tool(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "tools" / "train_tokenizer.py"), *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_tokenizer_tool_trains_on_local_files(corpus, tmp_path):
+    from tokenizers import Tokenizer
+
+    out = tmp_path / "tok"
+    proc = _tool(str(out), str(corpus / "bible"), str(corpus / "code.jsonl.gz"), "--text-field", "content",
+                 "--vocab-size", "400", "--max-chars-per-source", "30000")
+    assert proc.returncode == 0, proc.stderr
+    assert "read source" in proc.stderr and "training a 400-token byte-level BPE" in proc.stderr
+    assert f"wrote {out / 'tokenizer.json'}: vocabulary size 400" in proc.stdout
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
+    text = "In the beginning was the code: def f(x): return x  # ünïcødé"
+    assert tokenizer.decode(tokenizer.encode(text).ids) == text
+    assert tokenizer.token_to_id("<|end_of_text|>") == 0
+
+
+def test_tokenizer_tool_help_and_errors(tmp_path):
+    help_text = _tool("--help")
+    assert help_text.returncode == 0 and ".jsonl" in help_text.stdout and "--recipe" in help_text.stdout
+    missing = _tool(str(tmp_path / "t.json"), str(tmp_path / "nowhere"))
+    assert missing.returncode == 2 and "nowhere does not exist" in missing.stderr
+    assert _tool(str(tmp_path / "t.json")).returncode == 2  # neither sources nor --recipe
