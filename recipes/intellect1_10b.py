@@ -8,28 +8,42 @@ Inside a node: FSDP2 over 8 local ranks (8xH100), bf16 compute with fp32 gradien
 activation-checkpointed, micro-batch 1: each rank accumulates gradients over 16 sequences of its share.
 A checkpoint at every outer step.
 
-The real data mix (FineWeb-Edu 55, FineWeb 10, Stack 20, DCLM 10, OpenWebMath 5) loads from local files
-the user provides; until the data layer reads them, this recipe points at the offline text with the
-Llama-3 vocabulary size so that the config is whole and the model is the paper's.
+Data: the mix of the paper's Table 1 (FineWeb-Edu 55, FineWeb 10, Stack 20, DCLM 10, OpenWebMath 5) from
+local files you download (nothing is fetched at run time): .jsonl (a "text" field per line), .txt or
+.parquet files under DATA_ROOT/<name>/. Point DATA_ROOT at them in a recipe of your own that derives from
+this one; a missing directory is an error naming it when the run prepares its data (a dry run or
+`openprime plan` needs no data). The annealing phase's mix is ANNEALING_MIX.
 """
+
+import pathlib
 
 from openprime.ckpt import CheckpointConfig, SaveMode
 from openprime.diloco import Compression, DiLoCoConfig, OuterOptimizer
 from openprime.fsdp import ActivationCheckpointing, FSDPConfig, Precision
 from openprime.train.config import OptimizerConfig, RunConfig, TrainConfig
-from openprime.train.data import DataConfig
+from openprime.train.data import DataConfig, WeightedSource
 from openprime.train.model import FLAVORS
 from openprime.train.schedule import DecayShape, ScheduleConfig
 
 NUM_STEPS = 90_400
 STABLE_UNTIL_STEP = 74_700
 
+DATA_ROOT = pathlib.Path("~/data/intellect1").expanduser()
+# Table 1: weight (%) during pre-training, and during the learning-rate annealing phase.
+PRETRAINING_MIX = {"fineweb-edu": 55, "fineweb": 10, "stack-v1-popular": 20, "dclm-baseline": 10, "openwebmath": 5}
+ANNEALING_MIX = {"fineweb-edu": 80, "fineweb": 10, "stack-v1-popular": 10}
+
+
+def mixture(weights: dict[str, float], root: pathlib.Path = DATA_ROOT) -> tuple[WeightedSource, ...]:
+    """The data mixture of `weights` by dataset name, each read from root/<name>/."""
+    return tuple(WeightedSource(source=str(root / name), weight=w, name=name) for name, w in weights.items())
+
 
 def config() -> RunConfig:
     return RunConfig(
         name="intellect1-10b",
         model=FLAVORS["10B"],
-        data=DataConfig(vocab_size=FLAVORS["10B"].vocab_size),
+        data=DataConfig(mixture=mixture(PRETRAINING_MIX), vocab_size=FLAVORS["10B"].vocab_size),
         optim=OptimizerConfig(lr=7.5e-5, beta1=0.9, beta2=0.95, weight_decay=0.1, max_grad_norm=1.0),
         schedule=ScheduleConfig(num_warmup_steps=1000, num_decay_steps=NUM_STEPS - STABLE_UNTIL_STEP,
                                 decay_shape=DecayShape.ONE_MINUS_SQRT),
