@@ -45,6 +45,30 @@ class OptimizerConfig:
     max_grad_norm: float = field(1.0, doc="clip the global gradient norm to this", validator=positive_float())
 
 
+class Strategy(enum.Enum):
+    """How the nodes combine their work."""
+
+    DILOCO = "diloco"  # H inner steps alone, then an outer step on the averaged pseudo-gradients (the paper)
+    DATA_PARALLEL = "data_parallel"  # gradients averaged over the nodes at every step: the baseline, H x the bytes
+
+
+class TensorBoard(enum.Enum):
+    """Whether metrics are also written as TensorBoard event files."""
+
+    AUTO = "auto"  # when the tensorboard package is installed
+    OFF = "off"
+
+
+@config
+class MetricsConfig:
+    """What a run measures beyond the loss: utilisation of the devices and of the wall time."""
+
+    peak_flops: float = field(0.0, doc="peak FLOP/s of one device, the denominator of MFU (0: the GPU's from the "
+                                       "planner's table; no MFU on CPU)", validator=non_negative_float())
+    tensorboard: TensorBoard = field(TensorBoard.AUTO, doc="also write TensorBoard events (auto: if installed)",
+                                     validator=one_of_enum(TensorBoard))
+
+
 @config
 class TrainConfig:
     """The inner loop of one node."""
@@ -59,6 +83,12 @@ class TrainConfig:
     z_loss_weight: float = field(2e-4, doc="weight of the max-z auxiliary loss", validator=non_negative_float())
     seed: int = field(0, doc="seed of the weight init (the same on every node)", validator=instance_of(int))
     log_every: int = field(10, doc="print progress every this many inner steps", validator=positive_int())
+    eval_every: int = field(0, doc="compute the validation loss every this many inner steps and at the end "
+                                   "(0: never)", validator=non_negative_int())
+    num_eval_batches: int = field(4, doc="held-out batches of the validation loss (the same on every node)",
+                                  validator=positive_int())
+    strategy: Strategy = field(Strategy.DILOCO, doc="diloco, or data_parallel (gradients averaged every step)",
+                               validator=one_of_enum(Strategy))
     stop_after_outer_steps: int = field(
         0, doc="end this launch after this many outer steps of the run, with a checkpoint (0: run to the end); "
                "a launch resumed at or past it runs to the end", validator=non_negative_int())
@@ -108,6 +138,8 @@ class RunConfig:
                              validator=instance_of(MeshConfig))
     checkpoint: CheckpointConfig = field(factory=CheckpointConfig, doc="when and where nodes save their state",
                                          validator=instance_of(CheckpointConfig))
+    metrics: MetricsConfig = field(factory=MetricsConfig, doc="utilisation metrics and TensorBoard",
+                                   validator=instance_of(MetricsConfig))
     fsdp: FSDPConfig = field(factory=FSDPConfig, doc="FSDP2 inside each node: local ranks, precision, recompute",
                              validator=instance_of(FSDPConfig))
 
@@ -139,6 +171,9 @@ class RunConfig:
             raise ConfigError(f"train.stop_after_outer_steps {self.train.stop_after_outer_steps} is beyond the "
                               f"run's {self.num_outer_steps} outer steps; use 0 to run to the end")
         self._check_batch_split()
+        if self.train.strategy is Strategy.DATA_PARALLEL and self.checkpoint.mode is not SaveMode.OFF:
+            raise ConfigError("train.strategy=data_parallel does not checkpoint (it is the baseline DiLoCo is "
+                              "measured against); set checkpoint.mode=off")
         validate_schedule(num_warmup_steps=self.schedule.num_warmup_steps,
                           num_decay_steps=self.schedule.num_decay_steps, num_steps=self.train.num_steps)
 

@@ -7,6 +7,7 @@ interleave but never tear. `summarize` reads a run back (the launcher's closing 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -21,20 +22,58 @@ METRICS_FILE = "metrics.jsonl"
 
 
 class MetricsWriter:
-    """Appends this node's records to the run's metrics file."""
+    """Appends this node's records to the run's metrics file (and, given a directory, as TensorBoard scalars)."""
 
-    def __init__(self, run_dir: pathlib.Path, node: int) -> None:
+    def __init__(self, run_dir: pathlib.Path, node: int, *, tensorboard_dir: pathlib.Path | None = None) -> None:
         self.node = node
         self._fd = os.open(run_dir / METRICS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._tb = None
+        if tensorboard_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+
+            self._tb = SummaryWriter(str(tensorboard_dir / f"node-{node}"))
 
     def write(self, kind: str, **fields: Any) -> None:
         record = {"kind": kind, "node": self.node, "time": round(time.time(), 3), **fields}
         os.write(self._fd, (json.dumps(record) + "\n").encode())
+        if self._tb is not None and isinstance(fields.get("step"), int):
+            for name, value in fields.items():
+                if isinstance(value, int | float) and not isinstance(value, bool) and name != "step":
+                    self._tb.add_scalar(f"{kind}/{name}", value, fields["step"])
 
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def tensorboard_installed() -> bool:
+    return importlib.util.find_spec("tensorboard") is not None
+
+
+@attrs.define
+class WallClock:
+    """A node's wall time since its loop started, split into training and outer steps (waiting at the barrier,
+    all-reduce, state transfers): compute utilisation is the share spent training, as in the paper's Table 2."""
+
+    start: float = attrs.field(factory=time.monotonic)
+    outer_s: float = 0.0
+
+    def compute_utilisation(self) -> float:
+        elapsed = time.monotonic() - self.start
+        return max(0.0, 1.0 - self.outer_s / elapsed) if elapsed > 0 else 1.0
+
+
+def model_flops_utilisation(*, tokens_per_s: float, flops_per_token: float, peak_flops: float,
+                            num_devices: int) -> float | None:
+    """MFU: the FLOP/s the model's arithmetic needs at this throughput (6N plus attention per token, forward
+    and backward) over the devices' peak; None when the peak is unknown (CPU)."""
+    if peak_flops <= 0:
+        return None
+    return tokens_per_s * flops_per_token / (peak_flops * num_devices)
 
 
 def say(line: str) -> None:
@@ -52,9 +91,17 @@ def human_bytes(n: float) -> str:
 
 
 def progress_line(*, node: int, step: int, num_steps: int, loss: float, tokens_per_s: float, outer_steps: int,
-                  bytes_sent: int, lr: float) -> str:
+                  bytes_sent: int, lr: float, compute_utilisation: float | None = None, mfu: float | None = None,
+                  num_nodes: int | None = None) -> str:
+    extra = ""
+    if mfu is not None:
+        extra += f" | MFU {100 * mfu:.1f}%"
+    if compute_utilisation is not None:
+        extra += f" | compute {100 * compute_utilisation:.1f}%"
+    if num_nodes is not None:
+        extra += f" | {num_nodes} nodes"
     return (f"[node {node}] step {step}/{num_steps} | loss {loss:.4f} | lr {lr:.2e} | "
-            f"{tokens_per_s / 1000:.1f}k tok/s | outer syncs {outer_steps} | sent {human_bytes(bytes_sent)}")
+            f"{tokens_per_s / 1000:.1f}k tok/s{extra} | outer syncs {outer_steps} | sent {human_bytes(bytes_sent)}")
 
 
 @attrs.frozen

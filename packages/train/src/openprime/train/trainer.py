@@ -14,6 +14,7 @@ from __future__ import annotations
 import pathlib
 import time
 import warnings
+from collections.abc import Callable
 
 import attrs
 import torch
@@ -43,12 +44,21 @@ from openprime.train.checkpointing import (
     restore_node,
     slot_of_part,
 )
-from openprime.train.config import RunConfig
-from openprime.train.data import MixtureBatches, node_batches, prepare_data
-from openprime.train.hardware import check_local_ranks, detect_device_type
-from openprime.train.loss import loss_with_max_z
-from openprime.train.metrics import MetricsWriter, human_bytes, progress_line, say
-from openprime.train.model import Llama
+from openprime.train.config import RunConfig, Strategy, TensorBoard
+from openprime.train.data import MixtureBatches, node_batches, prepare_data, validation_batches
+from openprime.train.data_parallel import GradientAllReduce
+from openprime.train.hardware import check_local_ranks, detect_device_type, visible_gpu
+from openprime.train.loss import cross_entropy_loss, loss_with_max_z
+from openprime.train.metrics import (
+    MetricsWriter,
+    WallClock,
+    human_bytes,
+    model_flops_utilisation,
+    progress_line,
+    say,
+    tensorboard_installed,
+)
+from openprime.train.model import Llama, num_flops_per_token
 from openprime.train.optim import build_optimizer, clip_gradients
 from openprime.train.schedule import build_lr_scheduler
 from openprime.train.transports import codec_for, transport_factory
@@ -138,14 +148,15 @@ def follow_schedule(sched: torch.optim.lr_scheduler.LRScheduler, num_inner_steps
 
 
 def train_step(model: Llama, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
-               inputs_BL: torch.Tensor, targets_BL: torch.Tensor, cfg: RunConfig, *, local_rank: int) -> float:
+               inputs_BL: torch.Tensor, targets_BL: torch.Tensor, cfg: RunConfig, *, local_rank: int,
+               sync_gradients: Callable[[], None] | None = None) -> float:
     """One inner step on this local rank's share of the node's batch: forward and backward per micro-batch
     (gradients reduce-scattered over the local ranks only after the last), clip, AdamW, schedule.
 
     Each rank takes rows [r * B / R, (r + 1) * B / R) of the node's B sequences. Every micro-batch loss is
     divided by the number of micro-batches and FSDP2 averages over the R ranks, so the gradient is the mean
-    over the node's whole batch, as one process training on all of it would get. Returns this rank's
-    cross-entropy.
+    over the node's whole batch, as one process training on all of it would get. `sync_gradients` (data
+    parallel) then averages the gradients over the nodes. Returns this rank's cross-entropy.
     """
     share = inputs_BL.shape[0] // cfg.fsdp.num_local_ranks
     rows = slice(local_rank * share, (local_rank + 1) * share)
@@ -157,6 +168,8 @@ def train_step(model: Llama, opt: torch.optim.Optimizer, sched: torch.optim.lr_s
         loss = loss_with_max_z(model(micro_inputs_BL), micro_targets_BL, cfg.train.z_loss_weight)
         (loss.total / num_micro).backward()
         ce += loss.ce.item() / num_micro
+    if sync_gradients is not None:
+        sync_gradients()
     clip_gradients(model, cfg.optim.max_grad_norm)
     opt.step()
     sched.step()
@@ -192,14 +205,23 @@ class Node:
         self.mesh = join_mesh(cfg, coordinator, slot=slot, local_rank=local_rank, local_mesh=self.local_mesh)
         # Local rank 0 speaks for the node: its records and progress lines. Every local rank also records the
         # view it trained under ("local_outer"), which shows that a node's processes agree on it.
-        self.metrics = MetricsWriter(run_dir, node)
+        tensorboard = cfg.metrics.tensorboard is TensorBoard.AUTO and tensorboard_installed() and local_rank == 0
+        self.metrics = MetricsWriter(run_dir, node, tensorboard_dir=run_dir / "tensorboard" if tensorboard else None)
         self.ckpt: Checkpointer | None = None
         # The run is under way: get its state at the next outer step (a resumed run restarts all its nodes).
         self.joining = self.mesh.joined_epoch > 0 and resume is None
-        self.diloco = DiLoCo(self.model.parameters(), config=cfg.diloco, timeouts=cfg.timeouts, membership=self.mesh,
-                             codec=codec_for(cfg.diloco.compression), joining=self.joining,
-                             extra=InnerOptimizerState(self.model, self.opt))
+        self.diloco: DiLoCo | None = None
+        self.dp: GradientAllReduce | None = None
+        if cfg.train.strategy is Strategy.DILOCO:
+            self.diloco = DiLoCo(self.model.parameters(), config=cfg.diloco, timeouts=cfg.timeouts,
+                                 membership=self.mesh, codec=codec_for(cfg.diloco.compression), joining=self.joining,
+                                 extra=InnerOptimizerState(self.model, self.opt))
+        else:
+            self.dp = GradientAllReduce(self.model.parameters(), membership=self.mesh, timeouts=cfg.timeouts,
+                                        joining=self.joining)
+        self.counters: DiLoCo | GradientAllReduce = self.diloco or self.dp  # inner and outer steps done
         self.batches: MixtureBatches | None = None
+        self._eval_batches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def write(self, kind: str, **fields: object) -> None:
         if self.local_rank == 0:
@@ -217,14 +239,17 @@ class Node:
         else:
             self._open_slot()
         if resume is not None:
+            if self.diloco is None:
+                raise ConfigError("--resume continues a DiLoCo run; train.strategy=data_parallel does not checkpoint")
             restore_node(load_node_part(resume, self.part, self.model), model=self.model, opt=self.opt,
                          sched=self.sched, diloco=self.diloco, batches=self.batches)
             self.say(f"[node {self.node}] resumed from {resume.path} at inner step {self.diloco.num_inner_steps_done} "
                      f"(outer step {self.diloco.num_outer_steps_done})")
         self.write("start", node_id=self.mesh.node_id, slot=self.mesh.slot, joining=self.joining,
-                   resumed_from=str(resume.path) if resume else "", step=self.diloco.num_inner_steps_done,
-                   state_hash=self.diloco.state.state_hash(), host_state_numel=self.diloco.state.numel,
-                   num_local_ranks=self.cfg.fsdp.num_local_ranks)
+                   resumed_from=str(resume.path) if resume else "", step=self.counters.num_inner_steps_done,
+                   state_hash=self.diloco.state.state_hash() if self.diloco else self.dp.weights_hash(),
+                   host_state_numel=self.diloco.state.numel if self.diloco else 0,
+                   num_local_ranks=self.cfg.fsdp.num_local_ranks, strategy=self.cfg.train.strategy.value)
 
     @property
     def part(self) -> str:
@@ -247,8 +272,24 @@ class Node:
         if self.cfg.checkpoint.mode is not SaveMode.OFF:
             self.ckpt = node_checkpointer(self.cfg.checkpoint, self.run_dir, self.part)
 
+    def evaluate(self) -> float:
+        """The validation loss: mean cross-entropy over the held-out batches, the same on every node. (Under
+        FSDP2 every local rank runs the same forward passes: their all-gathers need each other.)"""
+        if self._eval_batches is None:
+            prepared = prepare_data(self.cfg.data)
+            batch_size = self.cfg.train.micro_batch_size or self.cfg.train.batch_size // self.cfg.fsdp.num_local_ranks
+            self._eval_batches = list(validation_batches(prepared, self.cfg.data, seq_len=self.cfg.train.seq_len,
+                                                         batch_size=batch_size,
+                                                         num_batches=self.cfg.train.num_eval_batches))
+        total = 0.0
+        with torch.no_grad():
+            for inputs_BL, targets_BL in self._eval_batches:
+                logits_BLV = self.model(inputs_BL.to(self.device))
+                total += cross_entropy_loss(logits_BLV, targets_BL.to(self.device)).item()
+        return total / len(self._eval_batches)
+
     def checkpoint_due(self, stopping: bool) -> bool:
-        done = self.diloco.num_inner_steps_done
+        done = self.counters.num_inner_steps_done
         return self.ckpt is not None and (stopping or done % self.cfg.checkpoint.interval_steps == 0
                                           or done == self.cfg.train.num_steps)
 
@@ -270,8 +311,8 @@ class Node:
                    previous_total_s=previous.total_s if previous else None,
                    previous_failed=bool(previous and previous.path is None))
 
-    def report_outer(self, step: int, r: OuterStepResult) -> None:
-        self.write("outer", step=step, **attrs.asdict(r))
+    def report_outer(self, step: int, r: OuterStepResult, *, compute_utilisation: float | None = None) -> None:
+        self.write("outer", step=step, **attrs.asdict(r), compute_utilisation=compute_utilisation)
         if self.local_rank == 0:
             _say_outer(self.node, r)
         if self.cfg.fsdp.sharded and self.mesh.view is not None:
@@ -297,52 +338,88 @@ def run_node(cfg: RunConfig, *, node: int, coordinator: str, run_dir: pathlib.Pa
              local_rendezvous=local_rendezvous)
     try:
         n.start(resume)
-        diloco, stop_at = n.diloco, cfg.train.stop_after_outer_steps
-        if stop_at and diloco.num_outer_steps_done >= stop_at:
+        counters, stop_at = n.counters, cfg.train.stop_after_outer_steps
+        if stop_at and counters.num_outer_steps_done >= stop_at:
             n.say(f"[node {node}] already past train.stop_after_outer_steps={stop_at}: running to the end")
             stop_at = 0
-        tokens_per_step, sent = cfg.train.batch_size * cfg.train.seq_len, 0
-        losses, outer, window_start = [], None, time.monotonic()
-        while (step := diloco.num_inner_steps_done + 1) <= cfg.train.num_steps:
+        progress = Progress(cfg, n)
+        while (step := counters.num_inner_steps_done + 1) <= cfg.train.num_steps:
+            step_start = time.monotonic()
             inputs_BL, targets_BL = (t.to(n.device, non_blocking=True) for t in next(n.batches))
             lr = n.sched.get_last_lr()[0]
-            ce = train_step(n.model, n.opt, n.sched, inputs_BL, targets_BL, cfg, local_rank=local_rank)
-            losses.append(local_all_reduce_mean(ce, n.local_mesh))  # the node's loss: all its ranks' batches
-            n.write("step", step=step, loss=losses[-1], lr=lr)
             try:
-                result = diloco.step()
+                ce = train_step(n.model, n.opt, n.sched, inputs_BL, targets_BL, cfg, local_rank=local_rank,
+                                sync_gradients=n.dp.sync if n.dp else None)
+                loss = local_all_reduce_mean(ce, n.local_mesh)  # the node's loss: all its ranks' batches
+                result = counters.step()
             except Evicted as e:  # frozen or cut off: come back as a new node with the others' state
+                if n.diloco is None:
+                    raise OpenPrimeError(f"{e}; a data-parallel node cannot rejoin (use train.strategy=diloco)") from e
                 n.say(f"[node {node}] {e}")
                 result = n.catch_up(rejoin=True)
-                n.write("rejoined", node_id=n.mesh.node_id, slot=n.mesh.slot, step=diloco.num_inner_steps_done)
+                n.write("rejoined", node_id=n.mesh.node_id, slot=n.mesh.slot, step=counters.num_inner_steps_done)
+            progress.step(step, loss, lr, time.monotonic() - step_start, result)
             if result is not None:
-                # Each local rank's ring carries its shard: the node's traffic is the sum over its ranks.
-                node_sent, node_received = local_sum([result.bytes_sent, result.bytes_received], n.local_mesh)
-                outer = attrs.evolve(result, bytes_sent=int(node_sent), bytes_received=int(node_received))
-                sent += outer.bytes_sent
-                n.report_outer(step, outer)
-                stopping = bool(stop_at) and diloco.num_outer_steps_done >= stop_at
+                stopping = bool(stop_at) and counters.num_outer_steps_done >= stop_at
                 if n.checkpoint_due(stopping):
                     n.save()
                 if stopping:
                     n.say(f"[node {node}] stopping after outer step {stop_at} (train.stop_after_outer_steps); "
                           f"continue with --resume latest")
                     break
-            if step % cfg.train.log_every == 0 or step == cfg.train.num_steps:
-                elapsed, window_start = time.monotonic() - window_start, time.monotonic()
-                n.say(progress_line(node=node, step=step, num_steps=cfg.train.num_steps, loss=losses[-1],
-                                    tokens_per_s=tokens_per_step * cfg.train.log_every / elapsed,
-                                    outer_steps=diloco.num_outer_steps_done, bytes_sent=sent, lr=lr))
-        summary = NodeSummary(node=node, first_loss=losses[0] if losses else float("nan"),
-                              last_loss=losses[-1] if losses else float("nan"),
-                              num_outer_steps=diloco.num_outer_steps_done,
-                              last_hash=outer.state_hash if outer else "", bytes_sent=sent)
+        summary = progress.summary()
         if n.ckpt is not None:
             n.ckpt.close()  # the last save is on disk before the node reports its end
-        n.write("end", **attrs.asdict(summary))
+        n.write("end", **attrs.asdict(summary), compute_utilisation=progress.clock.compute_utilisation())
         return summary
     finally:
         n.close()
+
+
+class Progress:
+    """What a node measures and reports as it trains: the step, outer-step, validation and progress records."""
+
+    def __init__(self, cfg: RunConfig, node: Node) -> None:
+        self.cfg, self.n = cfg, node
+        self.tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
+        self.flops_per_token = num_flops_per_token(cfg.model, cfg.train.seq_len)
+        self.peak_flops = cfg.metrics.peak_flops or (visible_gpu().peak_flops if node.device.type == "cuda" else 0.0)
+        self.clock, self.window_start = WallClock(), time.monotonic()
+        self.losses: list[float] = []
+        self.outer: OuterStepResult | None = None
+        self.sent = 0
+
+    def step(self, step: int, loss: float, lr: float, step_s: float, result: OuterStepResult | None) -> None:
+        cfg, n = self.cfg, self.n
+        self.losses.append(loss)
+        tokens_per_s = self.tokens_per_step / step_s
+        mfu = model_flops_utilisation(tokens_per_s=tokens_per_s, flops_per_token=self.flops_per_token,
+                                      peak_flops=self.peak_flops, num_devices=cfg.fsdp.num_local_ranks)
+        n.write("step", step=step, loss=loss, lr=lr, tokens=step * self.tokens_per_step, step_s=step_s,
+                tokens_per_s=tokens_per_s, mfu=mfu)
+        if result is not None:
+            self.clock.outer_s += result.total_s
+            # Each local rank's ring carries its shard: the node's traffic is the sum over its ranks.
+            node_sent, node_received = local_sum([result.bytes_sent, result.bytes_received], n.local_mesh)
+            self.outer = attrs.evolve(result, bytes_sent=int(node_sent), bytes_received=int(node_received))
+            self.sent += self.outer.bytes_sent
+            n.report_outer(step, self.outer, compute_utilisation=self.clock.compute_utilisation())
+        last = step == cfg.train.num_steps
+        num_nodes = len(n.mesh.view.members) if n.mesh.view else 1
+        if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or last):
+            n.write("eval", step=step, val_loss=n.evaluate(), tokens=step * self.tokens_per_step, num_nodes=num_nodes)
+        if step % cfg.train.log_every == 0 or last:
+            elapsed, self.window_start = time.monotonic() - self.window_start, time.monotonic()
+            n.say(progress_line(node=n.node, step=step, num_steps=cfg.train.num_steps, loss=loss,
+                                tokens_per_s=self.tokens_per_step * cfg.train.log_every / elapsed,
+                                outer_steps=n.counters.num_outer_steps_done, bytes_sent=self.sent, lr=lr,
+                                compute_utilisation=self.clock.compute_utilisation(), mfu=mfu, num_nodes=num_nodes))
+
+    def summary(self) -> NodeSummary:
+        return NodeSummary(node=self.n.node, first_loss=self.losses[0] if self.losses else float("nan"),
+                           last_loss=self.losses[-1] if self.losses else float("nan"),
+                           num_outer_steps=self.n.counters.num_outer_steps_done,
+                           last_hash=self.outer.state_hash if self.outer else "", bytes_sent=self.sent)
 
 
 def _say_outer(node: int, r: OuterStepResult) -> None:

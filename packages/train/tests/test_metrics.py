@@ -1,0 +1,59 @@
+"""Metrics arithmetic: MFU from 6N plus attention against a peak, compute utilisation from the wall clock,
+the progress line, and TensorBoard scalars mirrored from the JSONL records."""
+
+import sys
+import time
+import types
+
+import pytest
+
+from openprime.train.metrics import MetricsWriter, WallClock, model_flops_utilisation, progress_line, read_records
+from openprime.train.model import FLAVORS, num_flops_per_token
+
+
+def test_mfu_of_the_paper():
+    # INTELLECT-1: 8xH100 at 43.3% MFU run 100 inner steps of 128 x 8192 tokens in about 38 minutes.
+    flops_per_token = num_flops_per_token(FLAVORS["10B"], 8192)
+    tokens_per_s = 128 * 8192 * 100 / (38 * 60)
+    mfu = model_flops_utilisation(tokens_per_s=tokens_per_s, flops_per_token=flops_per_token, peak_flops=989e12,
+                                  num_devices=8)
+    assert mfu == pytest.approx(0.433, abs=0.01)
+    assert model_flops_utilisation(tokens_per_s=1e3, flops_per_token=1e9, peak_flops=0, num_devices=1) is None
+
+
+def test_compute_utilisation_is_the_share_of_wall_time_not_in_outer_steps():
+    clock = WallClock(start=time.monotonic() - 10.0)
+    clock.outer_s = 2.5
+    assert clock.compute_utilisation() == pytest.approx(0.75, abs=0.01)
+    clock.outer_s = 20.0  # never below 0, whatever the bookkeeping says
+    assert clock.compute_utilisation() == 0.0
+
+
+def test_progress_line_shows_what_is_known():
+    line = progress_line(node=1, step=20, num_steps=200, loss=5.25, tokens_per_s=3456, outer_steps=1,
+                         bytes_sent=7_400_000, lr=3e-3, compute_utilisation=0.929, mfu=0.4, num_nodes=4)
+    assert "[node 1] step 20/200" in line and "MFU 40.0%" in line and "compute 92.9%" in line
+    assert "4 nodes" in line and "3.5k tok/s" in line and "7.4 MB" in line
+    assert "MFU" not in progress_line(node=0, step=1, num_steps=2, loss=1.0, tokens_per_s=1.0, outer_steps=0,
+                                      bytes_sent=0, lr=1e-3)
+
+
+def test_tensorboard_gets_the_numeric_fields(tmp_path, monkeypatch):
+    scalars = []
+
+    class FakeSummaryWriter:
+        def __init__(self, log_dir):
+            self.log_dir = log_dir
+
+        def add_scalar(self, tag, value, step):
+            scalars.append((tag, value, step))
+
+        def close(self):
+            scalars.append("closed")
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=FakeSummaryWriter))
+    writer = MetricsWriter(tmp_path, 3, tensorboard_dir=tmp_path / "tb")
+    writer.write("step", step=7, loss=2.5, lr=1e-3, mfu=None, skipped=False, name="x")
+    writer.close()
+    assert scalars == [("step/loss", 2.5, 7), ("step/lr", 1e-3, 7), "closed"]
+    assert read_records(tmp_path)[0] == {**read_records(tmp_path)[0], "kind": "step", "node": 3, "loss": 2.5}
