@@ -7,6 +7,11 @@ weights at the first barrier), reads its disjoint share of the data (its slot), 
 A node started mid-run first waits for the next outer step and receives the state from a live peer;
 a node that finds itself evicted (it was frozen) comes back the same way, as a new node. Per-step and
 per-outer-step records go to the run's metrics JSONL; progress goes to stdout.
+
+A node is `fsdp.num_local_ranks` processes (section 2.2): each runs this loop on its share of the node's
+batch and holds one FSDP2 shard of the model, and its DiLoCo runs one ring with the same local rank of the
+other nodes. `train.strategy=data_parallel` replaces DiLoCo by the baseline it is measured against:
+gradients averaged over the nodes at every step (openprime.train.data_parallel).
 """
 
 from __future__ import annotations
