@@ -104,7 +104,10 @@ def test_kill_during_the_all_reduce(tmp_path):
     os.kill(launcher.procs[2].pid, signal.SIGKILL)
     _finish(launcher, expected_ok={0, 1}, timeout_s=400)
     outer = [r for r in _records(launcher.run_dir) if r["kind"] == "outer" and r["node"] == 0]
-    assert outer[2]["num_members"] == 2 and outer[2]["num_tries"] >= 2, outer[2]  # retried without node 2
+    # The first outer step without node 2 is the one the kill interrupted: tried again without it. (Which one
+    # it is depends on the machine's load: the kill lands 1 s after node 2's step 15, in outer step 3 or 4.)
+    first = next(r for r in outer if r["num_members"] == 2)
+    assert first["outer_step"] in (3, 4) and first["num_tries"] >= 2, first
 
 
 def test_graceful_exit_is_removed_at_once(tmp_path):
