@@ -149,3 +149,25 @@ def test_probe_measures_every_link():
     rates = run_threads([lambda t=t: probe_bandwidth(t, 1 << 16, deadline=time.monotonic() + 10) for t in group])
     assert [sorted(r) for r in rates] == [[1, 2], [0, 2], [0, 1]]
     assert all(v > 0 for r in rates for v in r.values())
+
+
+def test_member_alive_but_absent_from_the_barrier_is_evicted_as_a_straggler():
+    # Heartbeats go on (a process of the node hung, not the one that heartbeats), but it never comes to the
+    # barrier: the others get a view without it before their own sync timeout, and it is told it was evicted.
+    config = attrs.evolve(FAST, sync_timeout_s=2.0)  # eviction 0.3 s: stragglers out 1.4 s after the first arrival
+    assert config.straggler_timeout_s == pytest.approx(1.4)
+    coordinator = Coordinator(config).start()
+    try:
+        clients = _clients(coordinator, 3, config)
+        run_threads([lambda c=c: c.sync(0) for c in clients])
+        run_threads([lambda c=c: c.commit(0, 0, True) for c in clients])
+        start = time.monotonic()
+        views = run_threads([lambda c=c: c.sync(1) for c in clients[:2]])
+        waited = time.monotonic() - start
+        assert views[0] == views[1] and views[0].members == ("node-0", "node-1")
+        assert config.straggler_timeout_s <= waited < config.sync_timeout_s
+        with pytest.raises(Evicted):
+            clients[2].sync(1)
+        _close(clients)
+    finally:
+        coordinator.stop()

@@ -44,6 +44,13 @@ class MeshConfig:
         return self.heartbeat_interval_s * self.num_missed_heartbeats
 
     @property
+    def straggler_timeout_s(self) -> float:
+        """A member alive by its heartbeats that has not reached the outer-step barrier this long after the first
+        member did is evicted (e.g. one of its local ranks hung): two eviction timeouts before the members' own
+        wait (`sync_timeout_s`) ends, so that they go on without it instead of giving up."""
+        return max(self.sync_timeout_s - 2 * self.eviction_timeout_s, self.eviction_timeout_s)
+
+    @property
     def request_timeout_s(self) -> float:
         """A request without an answer this long is sent again (the coordinator may have restarted)."""
         return self.heartbeat_interval_s

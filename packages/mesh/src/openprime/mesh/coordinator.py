@@ -85,6 +85,7 @@ class Coordinator:
         self.members: list[str] = []
         self.step = 0
         self._waiting: dict[str, tuple[bytes, int, dict]] = {}  # node -> (route, req, message) at the barrier
+        self._barrier_opened: float | None = None  # when the first member reached the barrier now forming
         self._committee: Committee | None = None
         self._decisions: dict[tuple[int, int], bool] = {}
         self.hashes: dict[int, dict[str, str]] = {}
@@ -271,7 +272,23 @@ class Coordinator:
             if now - record.last_seen > self.config.eviction_timeout_s:
                 self._remove(node, f"silent for more than {self.config.eviction_timeout_s:.1f}s")
 
+    def _evict_stragglers(self, now: float) -> None:
+        """Members that heartbeat but do not come to the barrier (a process of theirs hung) would hold everyone
+        until the members' sync timeout: evict them `straggler_timeout_s` after the first member arrived."""
+        arrived = [m for m in self.members if m in self.nodes and m in self._waiting]
+        if not arrived:
+            self._barrier_opened = None
+            return
+        if self._barrier_opened is None:
+            self._barrier_opened = now
+        elif now - self._barrier_opened > self.config.straggler_timeout_s:
+            for m in self.members:
+                if m in self.nodes and m not in self._waiting:
+                    self._remove(m, f"alive but not at the outer-step barrier {self.config.straggler_timeout_s:.0f}s "
+                                    f"after the first member (a straggler; it rejoins as a new node)")
+
     def _try_barrier(self) -> None:
+        self._evict_stragglers(time.monotonic())
         live_members = [m for m in self.members if m in self.nodes]
         if not self._waiting or any(m not in self._waiting for m in live_members):
             return
@@ -303,6 +320,7 @@ class Coordinator:
         for route, req, _ in self._waiting.values():
             self._reply(route, req, view)
         self._waiting.clear()
+        self._barrier_opened = None
         log.info("outer step %d try %d: epoch %d, %d nodes%s%s", step, attempt, self.epoch, len(members),
                  f", admitted {joiners}" if joiners and live_members else "", ", SKIPPED" if skip else "")
 

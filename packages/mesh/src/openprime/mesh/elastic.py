@@ -92,7 +92,7 @@ class ElasticDeviceMesh(Membership):
             except (Evicted, PeerFailure, OpenPrimeError) as e:
                 if self.local_group is None:
                     raise
-                reply = {"error": type(e).__name__, "message": str(e)}
+                reply = {"error": type(e).__name__, "message": e.reason if isinstance(e, PeerFailure) else str(e)}
         shared = self._share(reply)
         if "error" in shared:
             error = {"Evicted": Evicted, "PeerFailure": None}.get(shared["error"], OpenPrimeError)

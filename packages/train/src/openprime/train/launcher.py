@@ -54,11 +54,18 @@ def write_run_files(run_dir: pathlib.Path, cfg: RunConfig, *, recipe: pathlib.Pa
         shutil.copyfile(path, sources / path.name)
 
 
+def _leave(*_: object) -> None:
+    """SIGTERM: leave gracefully (checkpoint closed, deathrattle sent) once; a second SIGTERM (the launcher's
+    watchdog stopping the node's other processes) does not interrupt the first exit."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(143)
+
+
 def node_main(cfg: RunConfig, node: int, coordinator: str, run_dir: pathlib.Path, num_threads: int,
               resume: Checkpoint | None = None, local_rank: int = 0,
               local_rendezvous: Rendezvous | None = None) -> None:
     """The body of one node process (one local rank): SIGTERM leaves gracefully (the deathrattle), errors exit 1."""
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGTERM, _leave)
     try:
         run_node(cfg, node=node, coordinator=coordinator, run_dir=run_dir, num_threads=num_threads, resume=resume,
                  local_rank=local_rank, local_rendezvous=local_rendezvous)
@@ -113,14 +120,25 @@ class Launcher:
         return procs[0]
 
     def _watch(self) -> None:
-        """A node is all of its local ranks: when one process of a node dies, stop the others (they would wait
-        in the node's local group for it), so that the node leaves the run as a whole."""
+        """A node is all of its local ranks: when one process of a node ends with an error or a signal, stop the
+        others (they would wait in the node's local group for it), so that the node leaves the run as a whole.
+
+        They get SIGTERM first, to leave gracefully (local rank 0 sends the deathrattle), and SIGKILL if still
+        there `timeouts.connect_s` later (a process blocked inside a collective cannot run its handler)."""
+        grace_s = self.cfg.timeouts.connect_s
+        stopping: dict[int, float] = {}  # node -> when its other processes got SIGTERM
         while not self._watching.wait(0.2):
-            for procs in list(self.local_procs.values()):
-                if len(procs) > 1 and any(p.exitcode not in (None, 0) for p in procs):
-                    for p in procs:
-                        if p.is_alive():
-                            p.kill()
+            for node, procs in list(self.local_procs.items()):
+                if len(procs) == 1 or not any(p.exitcode not in (None, 0) for p in procs):
+                    continue
+                alive = [p for p in procs if p.is_alive()]
+                if node not in stopping:
+                    stopping[node] = time.monotonic()
+                    for p in alive:
+                        p.terminate()
+                elif time.monotonic() - stopping[node] > grace_s:
+                    for p in alive:
+                        p.kill()
 
     def wait(self, timeout_s: float | None = None) -> dict[int, int | None]:
         """Wait for every node to exit (or the timeout); returns exit codes by node (of its local rank 0)."""
