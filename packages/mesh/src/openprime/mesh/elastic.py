@@ -78,9 +78,7 @@ class ElasticDeviceMesh(Membership):
         """Local rank 0's value, on every local rank of the node (msgpack through the local group)."""
         if self.local_group is None:
             return value
-        payload = [msgpack.packb(value) if self.local_rank == 0 else None]
-        torch.distributed.broadcast_object_list(payload, src=0, group=self.local_group)
-        return msgpack.unpackb(payload[0], raw=False)
+        return msgpack.unpackb(_broadcast_bytes(msgpack.packb(value), self.local_rank, self.local_group), raw=False)
 
     def _on_rank0(self, call: Callable[[], object]) -> object:
         """Run `call` (a request to the coordinator) on local rank 0 and give every local rank its result, or
@@ -104,8 +102,7 @@ class ElasticDeviceMesh(Membership):
         no state, so that the coordinator lists the node as new and every rank takes the state again)."""
         if self.local_group is None:
             return state_hash
-        hashes: list[str | None] = [None] * torch.distributed.get_world_size(self.local_group)
-        torch.distributed.all_gather_object(hashes, state_hash, group=self.local_group)
+        hashes = [msgpack.unpackb(b, raw=False) for b in _all_gather_bytes(msgpack.packb(state_hash), self.local_group)]
         return None if any(h is None for h in hashes) else ";".join(hashes)
 
     def _own_hash(self, agreed: str | None) -> str | None:
@@ -204,3 +201,31 @@ class ElasticDeviceMesh(Membership):
             self._transport = None
         if self.client is not None:
             self.client.close()
+
+
+# ---------------------------------------------------------------- bytes through the node's local group
+# Messages between a node's local ranks are msgpack bytes carried in uint8 tensors (no pickle, as on the
+# wire between nodes): first each length, then the bytes, padded to the longest for the all-gather.
+
+
+def _broadcast_bytes(data: bytes, local_rank: int, group) -> bytes:
+    """Local rank 0's `data` on every local rank (the others' `data` is ignored)."""
+    length = torch.tensor([len(data) if local_rank == 0 else 0], dtype=torch.int64)
+    torch.distributed.broadcast(length, group_src=0, group=group)
+    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if local_rank == 0
+           else torch.empty(int(length), dtype=torch.uint8))
+    torch.distributed.broadcast(buf, group_src=0, group=group)
+    return buf.numpy().tobytes()
+
+
+def _all_gather_bytes(data: bytes, group) -> list[bytes]:
+    """Every local rank's `data`, in local-rank order, on every local rank."""
+    size = torch.distributed.get_world_size(group)
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+    torch.distributed.all_gather(lengths, torch.tensor([len(data)], dtype=torch.int64), group=group)
+    longest = max(int(n) for n in lengths)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    bufs = [torch.empty(longest, dtype=torch.uint8) for _ in range(size)]
+    torch.distributed.all_gather(bufs, mine, group=group)
+    return [buf[:int(n)].numpy().tobytes() for buf, n in zip(bufs, lengths, strict=True)]
