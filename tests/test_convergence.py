@@ -1,10 +1,11 @@
 """Issue 8's experiment, shortened: does DiLoCo int8 train as well as DiLoCo fp32, on 4 x H fewer bytes than
 data parallel?
 
-`tools/experiments/convergence.py --short` trains one small Llama five ways on the same tokens (data parallel,
-DiLoCo fp32, DiLoCo int8, DiLoCo int8 with a node killed and replaced, a single node; 4 nodes, H = 25) in
-about 2-3 minutes on 2 cores. It runs here in a subprocess of its own session, so that a run past the bound
-is killed with every node it started. The fast tests check the script's analysis on made-up records.
+`tools/experiments/convergence.py --short` trains one small Llama four ways on the same tokens (data parallel,
+DiLoCo fp32, DiLoCo int8, DiLoCo int8 with a node killed and replaced; 4 nodes, H = 25; the full run's fifth
+way, a single node, is left out here) in about 1-2 minutes on 2 cores. It runs in a subprocess of its own
+session, so that a run past the bound is killed with every node it started. The fast tests check the
+script's analysis on made-up records.
 """
 
 import importlib.util
@@ -31,12 +32,15 @@ def _load_script():
 
 
 convergence = _load_script()
+# Every variant but the single node: what it shows (data parallel without a network) is the full run's business.
+CI_VARIANTS = tuple(v for v in convergence.VARIANTS if not v.single_node)
 
 
 @pytest.fixture(scope="module")
 def short_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("convergence")
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--short", "--out", str(out)], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--short", "--out", str(out),
+                             "--only", ",".join(v.name for v in CI_VARIANTS)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=BOUND_S)
@@ -74,7 +78,7 @@ def test_int8_sends_at_least_3_9_h_times_fewer_bytes_than_data_parallel(short_ru
 def test_every_variant_trained_to_the_end(short_run):
     _, results = short_run
     s = results["settings"]
-    assert set(results["variants"]) == {v.name for v in convergence.VARIANTS}
+    assert set(results["variants"]) == {v.name for v in CI_VARIANTS}
     for name, r in results["variants"].items():
         assert not r["timed_out"], name
         assert r["hashes_agree"], name
@@ -84,7 +88,6 @@ def test_every_variant_trained_to_the_end(short_run):
         assert [p["step"] for p in r["curve"]] == list(range(s["num_inner_steps"], s["num_steps"] + 1,
                                                              s["num_inner_steps"]))
         assert all(p["val_loss_spread"] == 0 for p in r["curve"]), name  # every node evaluated the same model
-    assert results["variants"]["single_node"]["bytes_sent"] == 0
     kill = results["variants"]["diloco_int8_kill"]
     assert kill["exit_codes"]["3"] == -signal.SIGKILL
     assert {0, 1, 2} <= set(kill["nodes_ended"])
@@ -100,7 +103,7 @@ def test_table_and_picture_written(short_run):
     out, _ = short_run
     table = (out / "results.md").read_text()
     assert "| variant | nodes x batch | final validation loss |" in table
-    for v in convergence.VARIANTS:
+    for v in CI_VARIANTS:
         assert v.label in table
     assert (out / "convergence.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -23,8 +23,9 @@ import time
 import pytest
 
 from openprime.train.launcher import Launcher
-from openprime.train.metrics import read_records, summarize
+from openprime.train.metrics import summarize
 from openprime.train.recipe import recipe_config
+from openprime.train.testing import outer_done, outer_records, run_records, wait_for
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NUM_STEPS, H = 60, 5
@@ -38,39 +39,17 @@ def _config(*extra: str):
     return recipe_config(ROOT / "recipes" / "debug.py", [*FAST, *extra])
 
 
-def _records(run_dir: pathlib.Path) -> list[dict]:
-    return read_records(run_dir) if (run_dir / "metrics.jsonl").exists() else []
-
-
-def _wait_for(run_dir: pathlib.Path, predicate, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate(_records(run_dir)):
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"condition not reached in {timeout_s}s")
-
-
-def _outer_done(node: int, outer_step: int):
-    return lambda records: any(r["kind"] == "outer" and r["node"] == node and r["outer_step"] >= outer_step
-                               for r in records)
-
-
-def _step_done(node: int, step: int):
-    return lambda records: any(r["kind"] == "step" and r["node"] == node and r["step"] >= step for r in records)
-
-
 def _finish(launcher: Launcher, expected_ok: set[int], timeout_s: float = 150) -> dict:
     try:
         codes = launcher.wait(timeout_s)
     finally:
         launcher.stop()
     assert not any(p.is_alive() for p in launcher.procs.values()), "a node process was left behind"
-    ended = {r["node"] for r in _records(launcher.run_dir) if r["kind"] == "end"}
+    ended = {r["node"] for r in run_records(launcher.run_dir) if r["kind"] == "end"}
     assert expected_ok <= ended, f"nodes {expected_ok - ended} did not train to the end; exit codes {codes}"
     summary = summarize(launcher.run_dir)
     assert summary.hashes_agree, summary.hashes
-    assert summary.num_outer_steps == NUM_STEPS // H
+    assert summary.num_outer_steps == launcher.cfg.num_outer_steps
     return codes
 
 
@@ -82,13 +61,20 @@ def _start(tmp_path, num_nodes: int, *extra: str, coordinator: str | None = None
     return launcher
 
 
+def _wait_until(condition, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"condition not reached in {timeout_s}s"
+        time.sleep(0.05)
+
+
 def _members_after(run_dir: pathlib.Path, node: int) -> list[int]:
-    return [r["num_members"] for r in _records(run_dir) if r["kind"] == "outer" and r["node"] == node]
+    return [r["num_members"] for r in run_records(run_dir) if r["kind"] == "outer" and r["node"] == node]
 
 
 def test_kill_during_inner_steps(tmp_path):
     launcher = _start(tmp_path, 3)
-    _wait_for(launcher.run_dir, _outer_done(2, 2))
+    wait_for(launcher.run_dir, outer_done(2, 2))
     os.kill(launcher.procs[2].pid, signal.SIGKILL)
     _finish(launcher, expected_ok={0, 1})
     members = _members_after(launcher.run_dir, 0)
@@ -97,27 +83,32 @@ def test_kill_during_inner_steps(tmp_path):
 
 def test_kill_during_the_all_reduce(tmp_path):
     # A slow link (25 Mbit/s) makes each all-reduce of the debug model last seconds: the kill lands inside one.
+    # 35 steps, not 60: 4 outer steps after the kill show the run went on, and each costs 2-3 s of shaped link.
     launcher = _start(tmp_path, 3, "transport.kind=tcp", "transport.options.shaping.rate_bps=2.5e7",
-                      "transport.options.num_connections=1")
-    _wait_for(launcher.run_dir, _step_done(2, 3 * H))
-    time.sleep(1.0)
+                      "transport.options.num_connections=1", "schedule.num_warmup_steps=10",
+                      "schedule.num_decay_steps=15", "train.num_steps=35")
+    # The coordinator (in this process) says when the members of outer step 3 have their view and are all-reducing
+    # (it counts outer steps from 0, the records from 1): the kill lands half a second into that all-reduce (of
+    # about 3 s), whatever the machine's load.
+    coordinator = launcher.coordinator_server
+    _wait_until(lambda: coordinator.all_reducing == 3 - 1, timeout_s=120)
+    time.sleep(0.5)
     os.kill(launcher.procs[2].pid, signal.SIGKILL)
     _finish(launcher, expected_ok={0, 1}, timeout_s=400)
-    outer = [r for r in _records(launcher.run_dir) if r["kind"] == "outer" and r["node"] == 0]
-    # The first outer step without node 2 is the one the kill interrupted: tried again without it. (Which one
-    # it is depends on the machine's load: the kill lands 1 s after node 2's step 15, in outer step 3 or 4.)
+    outer = outer_records(run_records(launcher.run_dir), 0)
+    # The outer step the kill interrupted failed, and was tried again without node 2.
     first = next(r for r in outer if r["num_members"] == 2)
-    assert first["outer_step"] in (3, 4) and first["num_tries"] >= 2, first
+    assert first["outer_step"] == 3 and first["num_tries"] >= 2, first
 
 
 def test_graceful_exit_is_removed_at_once(tmp_path):
     launcher = _start(tmp_path, 3, "mesh.heartbeat_interval_s=3")  # eviction would take 9 s
-    _wait_for(launcher.run_dir, _outer_done(2, 2))
+    wait_for(launcher.run_dir, outer_done(2, 2))
     launcher.procs[2].terminate()  # SIGTERM: the node sends its deathrattle
     killed_at = time.time()
-    _wait_for(launcher.run_dir, lambda rs: any(r["kind"] == "outer" and r["node"] == 0 and r["num_members"] == 2
+    wait_for(launcher.run_dir, lambda rs: any(r["kind"] == "outer" and r["node"] == 0 and r["num_members"] == 2
                                                for r in rs))
-    first_without = next(r for r in _records(launcher.run_dir)
+    first_without = next(r for r in run_records(launcher.run_dir)
                          if r["kind"] == "outer" and r["node"] == 0 and r["num_members"] == 2)
     # Node 0 finished the step without node 2 sooner than a heartbeat timeout would have allowed.
     assert first_without["time"] - killed_at < 9, first_without["time"] - killed_at
@@ -127,25 +118,25 @@ def test_graceful_exit_is_removed_at_once(tmp_path):
 
 def test_frozen_node_is_evicted_then_rejoins(tmp_path):
     launcher = _start(tmp_path, 3)
-    _wait_for(launcher.run_dir, _outer_done(2, 2))
+    wait_for(launcher.run_dir, outer_done(2, 2))
     os.kill(launcher.procs[2].pid, signal.SIGSTOP)
-    _wait_for(launcher.run_dir, lambda rs: any(r["kind"] == "outer" and r["node"] == 0 and r["num_members"] == 2
+    wait_for(launcher.run_dir, lambda rs: any(r["kind"] == "outer" and r["node"] == 0 and r["num_members"] == 2
                                                for r in rs))
     os.kill(launcher.procs[2].pid, signal.SIGCONT)
-    _wait_for(launcher.run_dir, lambda rs: any(r["kind"] == "rejoined" and r["node"] == 2 for r in rs))
+    wait_for(launcher.run_dir, lambda rs: any(r["kind"] == "rejoined" and r["node"] == 2 for r in rs))
     _finish(launcher, expected_ok={0, 1, 2})
     # After rejoining, node 2's global state matched the others' at every outer step (hashes_agree above).
-    late = [r for r in _records(launcher.run_dir) if r["kind"] == "outer" and r["node"] == 2]
+    late = [r for r in run_records(launcher.run_dir) if r["kind"] == "outer" and r["node"] == 2]
     assert late[-1]["outer_step"] == NUM_STEPS // H
 
 
 @pytest.mark.parametrize("mode", ["blocking", "non_blocking"])
 def test_node_started_mid_run_is_admitted_at_the_next_outer_step(tmp_path, mode):
     launcher = _start(tmp_path, 2, f"diloco.recovery={mode}")
-    _wait_for(launcher.run_dir, _outer_done(0, 3))
+    wait_for(launcher.run_dir, outer_done(0, 3))
     launcher.start_node()  # node 2
     _finish(launcher, expected_ok={0, 1, 2})
-    records = _records(launcher.run_dir)
+    records = run_records(launcher.run_dir)
     start = next(r for r in records if r["kind"] == "start" and r["node"] == 2)
     assert start["joining"]
     joined = [r for r in records if r["kind"] == "outer" and r["node"] == 2]
@@ -165,23 +156,23 @@ def test_donor_killed_mid_transfer_the_joiner_finishes_from_another(tmp_path):
     # int8 keeps the all-reduces short. The donor is the first old member of the view that admits node 3.
     launcher = _start(tmp_path, 3, "transport.kind=tcp", "transport.options.shaping.rate_bps=2.5e7",
                       "transport.options.num_connections=1", "diloco.compression=int8", "checkpoint.mode=off")
-    _wait_for(launcher.run_dir, _outer_done(0, 3))
+    wait_for(launcher.run_dir, outer_done(0, 3))
     joiner = len(launcher.procs)
     launcher.start_node()
-    coordinator = launcher._coordinator
+    coordinator = launcher.coordinator_server
     deadline = time.monotonic() + 120
     while len(coordinator.members) < 4:
         assert time.monotonic() < deadline, "the joiner was never admitted"
         time.sleep(0.02)
     donor_id = coordinator.members[0]
     time.sleep(2.0)  # the group is built and the transfer under way
-    node_of = {r["node_id"]: r["node"] for r in _records(launcher.run_dir) if r["kind"] == "start"}
+    node_of = {r["node_id"]: r["node"] for r in run_records(launcher.run_dir) if r["kind"] == "start"}
     donor = node_of[donor_id]
     assert donor != joiner
     os.kill(launcher.procs[donor].pid, signal.SIGKILL)
     survivors = {0, 1, 2, joiner} - {donor}
     _finish(launcher, expected_ok=survivors, timeout_s=400)
-    first = [r for r in _records(launcher.run_dir) if r["kind"] == "outer" and r["node"] == joiner][0]
+    first = [r for r in run_records(launcher.run_dir) if r["kind"] == "outer" and r["node"] == joiner][0]
     assert first["num_tries"] >= 2 and first["num_members"] == 3, first  # finished in a retry, without the donor
     assert first["received_state"]
 
@@ -192,15 +183,15 @@ def test_joiner_killed_mid_transfer_the_donor_is_unaffected(tmp_path):
     launcher = _start(tmp_path, 3, "transport.kind=tcp", "transport.options.shaping.rate_bps=2.5e7",
                       "transport.options.num_connections=1", "diloco.compression=int8", "checkpoint.mode=off",
                       "diloco.recovery=non_blocking")
-    _wait_for(launcher.run_dir, _outer_done(0, 3))
+    wait_for(launcher.run_dir, outer_done(0, 3))
     launcher.start_node()  # node 3
     def with_joiner(rs):
         return [r for r in rs if r["kind"] == "outer" and r["node"] == 0 and r["num_members"] == 4]
-    _wait_for(launcher.run_dir, with_joiner)
+    wait_for(launcher.run_dir, with_joiner)
     time.sleep(1.0)
     os.kill(launcher.procs[3].pid, signal.SIGKILL)
     _finish(launcher, expected_ok={0, 1, 2}, timeout_s=400)
-    records = _records(launcher.run_dir)
+    records = run_records(launcher.run_dir)
     assert not [r for r in records if r["kind"] == "outer" and r["node"] == 3]  # it died before it had the state
     admitted = with_joiner(records)[0]
     after = [r for r in records if r["kind"] == "outer" and r["node"] == 0 and r["outer_step"] > admitted["outer_step"]]
@@ -211,7 +202,7 @@ def test_joiner_killed_mid_transfer_the_donor_is_unaffected(tmp_path):
 
 def test_two_of_four_killed_at_once(tmp_path):
     launcher = _start(tmp_path, 4)
-    _wait_for(launcher.run_dir, _outer_done(3, 2))
+    wait_for(launcher.run_dir, outer_done(3, 2))
     for node in (2, 3):
         os.kill(launcher.procs[node].pid, signal.SIGKILL)
     _finish(launcher, expected_ok={0, 1})
@@ -235,7 +226,7 @@ def test_coordinator_killed_and_restarted(tmp_path):
     coordinator = _serve(port, store_port)
     try:
         launcher = _start(tmp_path, 3, coordinator=f"127.0.0.1:{port}")
-        _wait_for(launcher.run_dir, _outer_done(0, 3))
+        wait_for(launcher.run_dir, outer_done(0, 3))
         coordinator.kill()
         coordinator.wait(timeout=10)
         time.sleep(0.5)

@@ -3,8 +3,8 @@
 Each node is two processes: local rank 0 talks to the coordinator and hands the view (and any eviction or
 lost coordinator) to local rank 1 through the node's local group; each local rank runs its own DiLoCo ring
 with the same local rank of the other nodes. Faults hit one process of a node or all of it: kill -9 of local
-rank 1 or 0 (the launcher's watchdog takes the node down), SIGTERM of local rank 0 or of both (the node leaves
-with its deathrattle), SIGSTOP of local rank 0 or of both (evicted, then rejoins as a new node); or a node is
+rank 1 or 0 (the launcher's watchdog takes the node down), SIGTERM of local rank 0 (the node leaves
+with its deathrattle), SIGSTOP of both (evicted, then rejoins as a new node); or a node is
 started mid-run (blocking and non-blocking recovery). Each test asserts that the survivors trained to the end,
 that the global-state hashes agree, that no process of any node was left behind, and (the point of these tests)
 that a node's processes never disagreed on the view: for every (node, outer step) the "local_outer" records of
@@ -31,8 +31,9 @@ import torch
 
 from openprime.ckpt import latest, read_part
 from openprime.train.launcher import Launcher
-from openprime.train.metrics import read_records, summarize
+from openprime.train.metrics import summarize
 from openprime.train.recipe import recipe_config
+from openprime.train.testing import outer_done, outer_records, run_records, wait_for
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 H, RANKS = 5, 2
@@ -46,34 +47,6 @@ MEDIUM = ("schedule.num_warmup_steps=10", "schedule.num_decay_steps=20", "train.
 LONG = ("train.num_steps=60",)  # the debug recipe's schedule: 20 warmup + 40 decay steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.flaky(reruns=1)]
-
-
-# ---------------------------------------------------------------- helpers (as in tests/test_elastic.py)
-
-def _records(run_dir: pathlib.Path) -> list[dict]:
-    return read_records(run_dir) if (run_dir / "metrics.jsonl").exists() else []
-
-
-def _wait_for(run_dir: pathlib.Path, predicate, timeout_s: float = 120, *,
-              unless_dead: Sequence[mp.Process] = ()) -> None:
-    """Until `predicate(records)`; fails at `timeout_s`, or at once when every process of `unless_dead` died."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate(_records(run_dir)):
-            return
-        if unless_dead and not any(p.is_alive() for p in unless_dead):
-            raise AssertionError(f"the processes died first: {[(p.name, p.exitcode) for p in unless_dead]}")
-        time.sleep(0.1)
-    raise AssertionError(f"condition not reached in {timeout_s}s")
-
-
-def _outer_done(node: int, outer_step: int):
-    return lambda records: any(r["kind"] == "outer" and r["node"] == node and r["outer_step"] >= outer_step
-                               for r in records)
-
-
-def _outer(records: list[dict], node: int) -> list[dict]:
-    return [r for r in records if r["kind"] == "outer" and r["node"] == node]
 
 
 @pytest.fixture
@@ -113,7 +86,7 @@ def _finish(launcher: Launcher, expected_ok: set[int], timeout_s: float = 150) -
         launcher.stop()
     codes = {node: [p.exitcode for p in procs] for node, procs in launcher.local_procs.items()}
     assert not left, f"processes left behind: {left}; exit codes {codes}"
-    records = _records(launcher.run_dir)
+    records = run_records(launcher.run_dir)
     ended = {r["node"] for r in records if r["kind"] == "end"}
     assert expected_ok <= ended, f"nodes {expected_ok - ended} did not train to the end; exit codes {codes}"
     assert all(codes[node] == [0] * RANKS for node in expected_ok), codes
@@ -144,7 +117,7 @@ def _check_local_views(records: list[dict], ended: set[int], num_outer_steps: in
             assert max(ranks[0]) == num_outer_steps, (node, sorted(ranks[0]))
         else:  # a node taken down may have lost the last record of one rank, no more
             assert all(len(set(by_step) - common) <= 1 for by_step in ranks), (node, [sorted(s) for s in ranks])
-        outer = {r["outer_step"]: r for r in _outer(records, node)}
+        outer = {r["outer_step"]: r for r in outer_records(records, node)}
         for step in sorted(common):
             views = [(by_step[step]["epoch"], by_step[step]["members"], by_step[step]["num_contributors"],
                       by_step[step]["skipped"]) for by_step in ranks]
@@ -171,7 +144,7 @@ def _wait_node_gone(launcher: Launcher, node: int, timeout_s: float = 20) -> Non
 
 
 def _num_members(launcher: Launcher, node: int) -> list[int]:
-    return [r["num_members"] for r in _outer(_records(launcher.run_dir), node)]
+    return [r["num_members"] for r in outer_records(run_records(launcher.run_dir), node)]
 
 
 # ---------------------------------------------------------------- the tests
@@ -179,7 +152,7 @@ def _num_members(launcher: Launcher, node: int) -> list[int]:
 @pytest.mark.parametrize("local_rank", [1, 0])
 def test_kill_one_local_rank_during_inner_steps_takes_the_node_down(start, local_rank):
     launcher = start(3)
-    _wait_for(launcher.run_dir, _outer_done(2, 2))
+    wait_for(launcher.run_dir, outer_done(2, 2))
     _signal([launcher.local_procs[2][local_rank]], signal.SIGKILL)
     _wait_node_gone(launcher, 2)
     codes = _finish(launcher, expected_ok={0, 1})
@@ -189,31 +162,26 @@ def test_kill_one_local_rank_during_inner_steps_takes_the_node_down(start, local
     assert members[:2] == [3, 3] and members[-1] == 2, members
 
 
-@pytest.mark.parametrize("terminated", ["local_rank_0", "whole_node"])
-def test_graceful_exit_is_removed_at_once(start, terminated):
-    # SIGTERM to local rank 0 (the process that speaks for the node), or to both processes at once as a scheduler
-    # preempting the node would send: the node leaves as a whole, local rank 0 sends its deathrattle, and the
-    # others go on without it at once.
+def test_graceful_exit_is_removed_at_once(start):
+    # SIGTERM to local rank 0 (the process that speaks for the node): the node leaves as a whole, local rank 0
+    # sends its deathrattle, and the others go on without it at once. (SIGTERM to both processes, as a scheduler
+    # preempting the node sends, is the watchdog test below.)
     launcher = start(3, "mesh.heartbeat_interval_s=3")  # eviction would take 9 s
-    _wait_for(launcher.run_dir, _outer_done(2, 2))
-    procs = launcher.local_procs[2]
-    _signal(procs[:1] if terminated == "local_rank_0" else procs, signal.SIGTERM)
+    wait_for(launcher.run_dir, outer_done(2, 2))
+    _signal(launcher.local_procs[2][:1], signal.SIGTERM)
     killed_at = time.time()
     _wait_node_gone(launcher, 2)
 
     def without_node_2(rs):
-        return [r for r in _outer(rs, 0) if r["num_members"] == 2]
+        return [r for r in outer_records(rs, 0) if r["num_members"] == 2]
 
-    _wait_for(launcher.run_dir, without_node_2)
-    first_without = without_node_2(_records(launcher.run_dir))[0]
+    wait_for(launcher.run_dir, without_node_2)
+    first_without = without_node_2(run_records(launcher.run_dir))[0]
     # Node 0 finished the step without node 2 sooner than a heartbeat timeout would have allowed.
     assert first_without["time"] - killed_at < 9, first_without["time"] - killed_at
     codes = _finish(launcher, expected_ok={0, 1})
     _taken_down(codes, 2)
-    if terminated == "local_rank_0":
-        assert codes[2][0] == 143, codes  # it left gracefully; the watchdog stopped rank 1
-    else:  # both left gracefully, whichever was done first
-        assert codes[2][0] == 143, codes
+    assert codes[2][0] == 143, codes  # it left gracefully; the watchdog stopped rank 1
 
 
 def _leave_gracefully_after(delay_s: float, ready) -> None:
@@ -250,24 +218,22 @@ def test_watchdog_lets_local_rank_0_finish_a_graceful_exit(tmp_path):
         launcher.stop()
 
 
-@pytest.mark.parametrize("frozen", ["local_rank_0", "whole_node"])
-def test_frozen_node_is_evicted_then_rejoins(start, frozen):
-    # "local_rank_0": SIGSTOP of the process that heartbeats only (one process hung): the coordinator evicts the
-    # node while its local rank 1 waits for rank 0 in the local group. "whole_node": SIGSTOP of both (the
-    # machine froze or was cut off): rank 1 stops wherever it was, maybe inside its ring's all-reduce. After
-    # SIGCONT rank 0 learns that the node was evicted and tells rank 1; the node comes back as a new node.
+def test_frozen_node_is_evicted_then_rejoins(start):
+    # SIGSTOP of both processes (the machine froze or was cut off): rank 1 stops wherever it was, maybe inside its
+    # ring's all-reduce. After SIGCONT rank 0 learns that the node was evicted and tells rank 1; the node comes
+    # back as a new node. (One process of a node hung while the other goes on is the last test of this file.)
     launcher = start(3, steps=MEDIUM)
-    _wait_for(launcher.run_dir, _outer_done(2, 2))
-    stopped = [launcher.procs[2]] if frozen == "local_rank_0" else launcher.local_procs[2]
+    wait_for(launcher.run_dir, outer_done(2, 2))
+    stopped = launcher.local_procs[2]
     _signal(stopped, signal.SIGSTOP)
     try:
-        _wait_for(launcher.run_dir, lambda rs: any(r["num_members"] == 2 for r in _outer(rs, 0)))
+        wait_for(launcher.run_dir, lambda rs: any(r["num_members"] == 2 for r in outer_records(rs, 0)))
     finally:
         _signal(stopped, signal.SIGCONT)
-    _wait_for(launcher.run_dir, lambda rs: any(r["kind"] == "rejoined" and r["node"] == 2 for r in rs))
+    wait_for(launcher.run_dir, lambda rs: any(r["kind"] == "rejoined" and r["node"] == 2 for r in rs))
     _finish(launcher, expected_ok={0, 1, 2})
-    records = _records(launcher.run_dir)
-    assert _outer(records, 2)[-1]["outer_step"] == launcher.cfg.num_outer_steps
+    records = run_records(launcher.run_dir)
+    assert outer_records(records, 2)[-1]["outer_step"] == launcher.cfg.num_outer_steps
     rejoined = next(r for r in records if r["kind"] == "rejoined" and r["node"] == 2)
     first = next(r for r in records if r["kind"] == "start" and r["node"] == 2)
     assert rejoined["node_id"] != first["node_id"]  # a new node
@@ -283,13 +249,13 @@ def test_frozen_node_is_evicted_then_rejoins(start, frozen):
 @pytest.mark.parametrize("mode", ["blocking", "non_blocking"])
 def test_node_started_mid_run_is_admitted_and_both_ranks_get_the_state(start, mode):
     launcher = start(2, f"diloco.recovery={mode}", steps=LONG)
-    _wait_for(launcher.run_dir, _outer_done(0, 3))
+    wait_for(launcher.run_dir, outer_done(0, 3))
     launcher.start_node()  # node 2
     _finish(launcher, expected_ok={0, 1, 2})
-    records = _records(launcher.run_dir)
+    records = run_records(launcher.run_dir)
     started = next(r for r in records if r["kind"] == "start" and r["node"] == 2)
     assert started["joining"]
-    joined = _outer(records, 2)
+    joined = outer_records(records, 2)
     assert joined and joined[0]["outer_step"] >= 4 and joined[0]["num_members"] == 3
     assert joined[0]["num_contributors"] == 2  # the joiner entered with a zero pseudo-gradient
     # Non-blocking: the state came in the outer step before, which the joiner only watched; the step it
@@ -300,7 +266,7 @@ def test_node_started_mid_run_is_admitted_and_both_ranks_get_the_state(start, mo
     first_local = {r["local_rank"]: r for r in records if r["kind"] == "local_outer" and r["node"] == 2
                    and r["outer_step"] == joined[0]["outer_step"]}
     assert sorted(first_local) == list(range(RANKS)) and all(r["num_contributors"] == 2 for r in first_local.values())
-    admitted = [r for r in _outer(records, 0) if r["num_members"] == 3][0]
+    admitted = [r for r in outer_records(records, 0) if r["num_members"] == 3][0]
     if mode == "blocking":  # the others waited for the transfer, then did that outer step with the joiner
         assert admitted["outer_step"] == joined[0]["outer_step"]
     else:  # the joiner took part without state, got it after the commit and entered the step after
@@ -328,11 +294,11 @@ def test_hung_local_rank_1_does_not_stop_the_run(start):
     # 0, which holds the MeshClient, keeps heartbeating from its thread as it waits for rank 1 in the local group.
     # The others must go on without the node (mesh.sync_timeout_s=10 keeps the failure short).
     launcher = start(3, "mesh.sync_timeout_s=10")
-    _wait_for(launcher.run_dir, _outer_done(2, 2))
+    wait_for(launcher.run_dir, outer_done(2, 2))
     hung = [launcher.local_procs[2][1]]
     _signal(hung, signal.SIGSTOP)
     try:
-        _wait_for(launcher.run_dir, lambda rs: any(r["num_members"] == 2 for r in _outer(rs, 0)), timeout_s=60,
+        wait_for(launcher.run_dir, lambda rs: any(r["num_members"] == 2 for r in outer_records(rs, 0)), timeout_s=60,
                   unless_dead=launcher.local_procs[0])
     finally:
         _signal(hung, signal.SIGCONT)

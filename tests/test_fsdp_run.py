@@ -12,7 +12,7 @@ import torch
 
 from openprime.ckpt import latest, read_part
 from openprime.train.checkpointing import load_model_weights
-from openprime.train.metrics import read_records
+from openprime.train.metrics import read_records, summarize
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHORT = ("--nodes", "2", "--set", "train.num_steps=60", "--set", "schedule.num_decay_steps=20")
@@ -77,14 +77,6 @@ def test_sharded_nodes_agree_every_outer_step_and_send_as_much(runs):
     assert math.isclose(ratio, 1.0, rel_tol=0.01), ratio
 
 
-def _outer_hashes(run_dir: pathlib.Path) -> dict[int, set[str]]:
-    hashes: dict[int, set[str]] = {}
-    for r in read_records(run_dir):
-        if r["kind"] == "outer":
-            hashes.setdefault(r["outer_step"], set()).add(r["state_hash"])
-    return hashes
-
-
 @pytest.mark.slow
 def test_sharded_run_stops_and_resumes_bit_identically(runs, tmp_path):
     run_dir = tmp_path / "stopped"
@@ -92,7 +84,7 @@ def test_sharded_run_stops_and_resumes_bit_identically(runs, tmp_path):
     _run(run_dir, *sharded, "--set", "train.stop_after_outer_steps=2")
     proc = _run(run_dir, *sharded, "--resume", "latest")
     assert "resuming from" in proc.stdout and "of 2 local ranks" in proc.stdout
-    assert _outer_hashes(run_dir) == _outer_hashes(runs["sharded"])
+    assert summarize(run_dir).distinct_hashes == summarize(runs["sharded"]).distinct_hashes
     _, resumed, _ = load_model_weights(run_dir)
     _, uninterrupted, _ = load_model_weights(runs["sharded"])
     assert all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from openprime.train.checkpointing import load_model_weights
-from openprime.train.metrics import read_records
+from openprime.train.metrics import read_records, summarize
 from openprime.train.model import Llama
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -50,14 +50,6 @@ def stopped(tmp_path_factory) -> pathlib.Path:
     return run_dir
 
 
-def _outer_hashes(run_dir: pathlib.Path) -> dict[int, set[str]]:
-    hashes: dict[int, set[str]] = {}
-    for r in read_records(run_dir):
-        if r["kind"] == "outer":
-            hashes.setdefault(r["outer_step"], set()).add(r["state_hash"])
-    return hashes
-
-
 def _losses(run_dir: pathlib.Path) -> dict[int, list[float]]:
     """Per inner step, the losses of the nodes (sorted: node numbers may map to other slots per launch)."""
     losses: dict[int, list[float]] = {}
@@ -79,9 +71,9 @@ def test_stop_and_resume_is_bit_identical(baseline, stopped, tmp_path):
     proc = _run(run_dir, "--resume", "latest", "--set", "train.stop_after_outer_steps=3")
     assert "resuming from" in proc.stdout and "step-00000030" in proc.stdout
     assert "already past train.stop_after_outer_steps=3: running to the end" in proc.stdout
-    expected = _outer_hashes(baseline)
+    expected = summarize(baseline).distinct_hashes
     assert len(expected) == 6 and all(len(h) == 1 for h in expected.values())
-    assert _outer_hashes(run_dir) == expected  # every outer step, before and after the stop
+    assert summarize(run_dir).distinct_hashes == expected  # every outer step, before and after the stop
     assert _losses(run_dir) == _losses(baseline)  # the same data order, optimizer state and schedule
     assert (run_dir / "config.resumed-1.json").is_file()
 
@@ -97,7 +89,7 @@ def test_a_corrupt_checkpoint_falls_back_to_the_previous_one(baseline, stopped, 
     assert "skipping checkpoint step 30" in proc.stderr and "does not match its SHA-256" in proc.stderr
     assert "falling back to the previous one" in proc.stderr
     assert "step-00000020" in proc.stdout
-    assert _outer_hashes(run_dir)[6] == _outer_hashes(baseline)[6]  # from step 20 to the same end
+    assert summarize(run_dir).distinct_hashes[6] == summarize(baseline).distinct_hashes[6]  # from 20 to the same end
 
 
 def test_resume_refuses_another_model_before_starting(stopped, tmp_path):

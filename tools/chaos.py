@@ -68,7 +68,6 @@ import contextlib
 import datetime
 import heapq
 import itertools
-import json
 import os
 import pathlib
 import random
@@ -77,7 +76,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import attrs
@@ -86,8 +85,8 @@ from openprime.core.errors import ConfigError
 from openprime.mesh import MeshConfig
 from openprime.train.config import RunConfig
 from openprime.train.data import prepare_data
-from openprime.train.launcher import Launcher, write_run_files
-from openprime.train.metrics import METRICS_FILE, read_records
+from openprime.train.launcher import Launcher, output_to, write_run_files
+from openprime.train.metrics import METRICS_FILE, MetricsTail, read_records
 from openprime.train.recipe import loaded_recipe_files, recipe_config
 
 FAULT_KINDS = ("kill", "stop", "term", "join", "coordinator")
@@ -108,46 +107,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def output_to(path: pathlib.Path | None) -> Iterator[None]:
-    """Point this process's stdout and stderr at `path` while a child is started (it inherits them)."""
-    if path is None:
-        yield
-        return
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        yield
-    finally:
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        for f in (fd, *saved):
-            os.close(f)
-
-
-class MetricsTail:
-    """The run's metrics file, read incrementally (whole lines only)."""
-
-    def __init__(self, run_dir: pathlib.Path) -> None:
-        self.path = run_dir / METRICS_FILE
-        self._offset, self._partial = 0, b""
-
-    def poll(self) -> list[dict]:
-        if not self.path.exists():
-            return []
-        with open(self.path, "rb") as f:
-            f.seek(self._offset)
-            data = f.read()
-        self._offset += len(data)
-        lines = (self._partial + data).split(b"\n")
-        self._partial = lines.pop()
-        return [json.loads(line) for line in lines if line.strip()]
 
 
 class CoordinatorProcess:

@@ -35,8 +35,8 @@ starting the nodes to the last one's exit. Tokens on the x axis are the tokens a
 from their step records (the killed node's steps since the last outer step count, lost as they are; the
 replacement trained none while it waited to be admitted).
 
---short is the CI version (tests/test_convergence.py): the same five variants with 2 layers instead of 4,
-sequences of 64 tokens, 100 steps and H = 25, in about 2-3 minutes.
+--short is the CI version (tests/test_convergence.py runs it without the single node): the same variants with 2
+layers instead of 4, sequences of 64 tokens, 75 steps and H = 25, in about 1-2 minutes.
 
 Outputs in --out: results.md (the table and the ratios the issue asks about), results.json (the same numbers
 and the curves) and convergence.png (validation loss against tokens and against bytes; needs matplotlib).
@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import contextlib
 import json
 import os
 import pathlib
@@ -56,14 +55,14 @@ import signal
 import sys
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
 
 from openprime.train.data import prepare_data
-from openprime.train.launcher import Launcher, write_run_files
-from openprime.train.metrics import human_bytes
+from openprime.train.launcher import Launcher, output_to, write_run_files
+from openprime.train.metrics import MetricsTail, human_bytes
 from openprime.train.model import count_parameters
 from openprime.train.recipe import loaded_recipe_files, recipe_config
 
@@ -103,10 +102,10 @@ class Settings:
 
 # 10 outer steps; node 3 is killed 10 inner steps after the 5th.
 FULL = Settings(name="full", num_steps=500, seq_len=128, kill_after_step=260, timeout_s=900)
-# The same five variants in a few minutes: 2 layers instead of 4, sequences of 64 tokens, 100 steps, H = 25
-# (4 outer steps). The model stays large enough (1.4M parameters) for the codebooks and the framing to cost
-# under 1% of the int8 bytes.
-SHORT = Settings(name="short", num_steps=100, num_inner_steps=25, seq_len=64, model=("model.num_layers=2",),
+# The same variants in a few minutes: 2 layers instead of 4, sequences of 64 tokens, 75 steps, H = 25 (3 outer
+# steps; node 3 is killed 5 steps into the second). The model stays large enough (1.4M parameters) for the
+# codebooks and the framing to cost under 1% of the int8 bytes.
+SHORT = Settings(name="short", num_steps=75, num_inner_steps=25, seq_len=64, model=("model.num_layers=2",),
                  kill_after_step=30, timeout_s=150)
 
 
@@ -179,46 +178,6 @@ class Console:
         self._out.flush()
 
 
-@contextlib.contextmanager
-def output_to(path: pathlib.Path) -> Iterator[None]:
-    """Point this process's stdout and stderr at `path` (the nodes, spawned meanwhile, inherit them)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        yield
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        for f in (fd, *saved):
-            os.close(f)
-
-
-class MetricsTail:
-    """A run's metrics file read incrementally, whole lines only."""
-
-    def __init__(self, path: pathlib.Path) -> None:
-        self.path, self._offset, self._partial = path, 0, b""
-        self.records: list[dict[str, Any]] = []
-
-    def poll(self) -> list[dict[str, Any]]:
-        if not self.path.exists():
-            return []
-        with self.path.open("rb") as f:
-            f.seek(self._offset)
-            data = f.read()
-        self._offset += len(data)
-        *lines, self._partial = (self._partial + data).split(b"\n")
-        new = [json.loads(line) for line in lines if line.strip()]
-        self.records.extend(new)
-        return new
-
-
 @attrs.define
 class Killer:
     """Variant 4's fault: SIGKILL of the last node once it passed `after_step`, then a replacement once the
@@ -245,7 +204,7 @@ class Killer:
                 self.killed_at, self.killed_step = time.monotonic(), steps[-1]
                 console.say(f"  kill -9 node {self.victim} after its step {steps[-1]}")
         elif self.replaced_at is None:
-            evicted = self.victim_id not in launcher._coordinator.nodes
+            evicted = self.victim_id not in launcher.coordinator_server.nodes
             if evicted or time.monotonic() - self.killed_at > 60:
                 self.replacement = len(launcher.procs)
                 launcher.start_node()
@@ -278,7 +237,7 @@ def run_variant(s: Settings, v: Variant, run_dir: pathlib.Path, console: Console
     nodes = 1 if v.single_node else s.num_nodes
     run_dir.mkdir(parents=True, exist_ok=True)
     write_run_files(run_dir, cfg, recipe=RECIPE, recipe_files=loaded_recipe_files(), overrides=ov, num_nodes=nodes)
-    tail = MetricsTail(run_dir / "metrics.jsonl")
+    tail = MetricsTail(run_dir)
     killer = Killer(victim=nodes - 1, after_step=s.kill_after_step) if v.kill else None
     console.say(f"{v.name}: {v.label}; {nodes} node(s); run directory {run_dir}")
     start = time.monotonic()
@@ -573,7 +532,7 @@ def _model_line(s: Settings) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--short", action="store_true", help="the CI version: a smaller model, 100 steps, H = 25")
+    parser.add_argument("--short", action="store_true", help="the CI version: a smaller model, 75 steps, H = 25")
     parser.add_argument("--out", type=pathlib.Path, required=True, help="where results.md/json and the PNG go")
     parser.add_argument("--runs", type=pathlib.Path, help="run directories (default: OUT/runs)")
     parser.add_argument("--only", help="comma-separated variants to run (default: all): "

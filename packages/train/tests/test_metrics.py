@@ -1,13 +1,22 @@
 """Metrics arithmetic: MFU from 6N plus attention against a peak, compute utilisation from the wall clock,
 the progress line, and TensorBoard scalars mirrored from the JSONL records."""
 
+import json
 import sys
 import time
 import types
 
 import pytest
 
-from openprime.train.metrics import MetricsWriter, WallClock, model_flops_utilisation, progress_line, read_records
+from openprime.train.metrics import (
+    METRICS_FILE,
+    MetricsTail,
+    MetricsWriter,
+    WallClock,
+    model_flops_utilisation,
+    progress_line,
+    read_records,
+)
 from openprime.train.model import FLAVORS, num_flops_per_token
 
 
@@ -57,3 +66,17 @@ def test_tensorboard_gets_the_numeric_fields(tmp_path, monkeypatch):
     writer.close()
     assert scalars == [("step/loss", 2.5, 7), ("step/lr", 1e-3, 7), "closed"]
     assert read_records(tmp_path)[0] == {**read_records(tmp_path)[0], "kind": "step", "node": 3, "loss": 2.5}
+
+
+def test_metrics_tail_returns_whole_lines_once(tmp_path):
+    tail = MetricsTail(tmp_path)
+    assert tail.poll() == []  # no file yet
+    path = tmp_path / METRICS_FILE
+    a, b = json.dumps({"kind": "step", "step": 1}), json.dumps({"kind": "step", "step": 2})
+    path.write_text(a + "\n" + b[:7])  # the second record is half written
+    assert tail.poll() == [{"kind": "step", "step": 1}]
+    with path.open("a") as f:
+        f.write(b[7:] + "\n")
+    assert tail.poll() == [{"kind": "step", "step": 2}]
+    assert tail.poll() == []
+    assert [r["step"] for r in tail.records] == [1, 2]

@@ -253,6 +253,13 @@ class Coordinator:
             self._remove(message["node"], "left (deathrattle)")
         return {"op": "ok"}
 
+    @property
+    def all_reducing(self) -> int | None:
+        """The outer step whose view went out and whose members have not all reported back (they are in its
+        all-reduce); None between outer steps. Read from another thread by tests that time a fault."""
+        committee = self._committee
+        return committee.step if committee is not None else None
+
     def _on_status(self, route: bytes, message: dict) -> dict:
         return {"op": "status", "epoch": self.epoch, "members": self.members, "step": self.step,
                 "nodes": sorted(self.nodes), "evictions": len(self.evictions), "refusals": len(self.refusals),

@@ -10,6 +10,7 @@ tools/chaos.py drive: they kill, freeze and add nodes through it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -20,6 +21,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 
 import attrs
 
@@ -33,6 +35,32 @@ from openprime.train.config import RunConfig
 from openprime.train.data import prepare_data
 from openprime.train.metrics import summarize
 from openprime.train.trainer import run_node
+
+
+@contextlib.contextmanager
+def output_to(path: pathlib.Path | None) -> Iterator[None]:
+    """Point this process's stdout and stderr at `path` (None: leave them) while nodes are started: they inherit them.
+
+    Tools that print their own progress (tools/chaos.py, tools/experiments) send the nodes' output to a log this way.
+    """
+    if path is None:
+        yield
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for f in (fd, *saved):
+            os.close(f)
 
 
 def write_run_files(run_dir: pathlib.Path, cfg: RunConfig, *, recipe: pathlib.Path, recipe_files: list[pathlib.Path],
@@ -86,10 +114,10 @@ class Launcher:
         self.resume = resume  # the nodes started first continue from it; later ones join and get the state
         self._num_resumed = len(parts_by_node(resume)) if resume is not None else 0
         self.num_threads = max(1, (os.cpu_count() or 1) // (num_nodes * cfg.fsdp.num_local_ranks))
-        self._coordinator = None
+        self.coordinator_server: Coordinator | None = None  # the coordinator, when it runs in this process
         if coordinator is None:
-            self._coordinator = Coordinator(self.cfg.mesh, store_timeout_s=cfg.timeouts.connect_s).start()
-            coordinator = self._coordinator.address
+            self.coordinator_server = Coordinator(self.cfg.mesh, store_timeout_s=cfg.timeouts.connect_s).start()
+            coordinator = self.coordinator_server.address
         self.coordinator = coordinator
         # The local groups of the nodes started here meet in this process's store, each on its own prefix.
         self._local_store = host_store(timeout_s=cfg.timeouts.connect_s) if cfg.fsdp.sharded else None
@@ -159,9 +187,9 @@ class Launcher:
             if p.is_alive():
                 p.kill()
                 p.join()
-        if self._coordinator is not None:
-            self._coordinator.stop()
-            self._coordinator = None
+        if self.coordinator_server is not None:
+            self.coordinator_server.stop()
+            self.coordinator_server = None
 
 
 def launch(cfg: RunConfig, *, num_nodes: int, run_dir: pathlib.Path, coordinator: str | None = None,

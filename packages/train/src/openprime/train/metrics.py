@@ -118,9 +118,38 @@ class RunSummary:
         return len(self.hashes)
 
     @property
+    def distinct_hashes(self) -> dict[int, set[str]]:
+        """Outer step -> the distinct global-state hashes the nodes reported (one when they agree).
+
+        Comparing two runs by these ignores which node number held which state, which may differ per launch.
+        """
+        return {step: set(by_node.values()) for step, by_node in self.hashes.items()}
+
+    @property
     def hashes_agree(self) -> bool:
         """Every node that finished an outer step holds the same global state after it."""
-        return all(len(set(by_node.values())) == 1 for by_node in self.hashes.values())
+        return all(len(h) == 1 for h in self.distinct_hashes.values())
+
+
+class MetricsTail:
+    """A run's metrics file read incrementally while the run goes (whole lines only); `records` holds all so far."""
+
+    def __init__(self, run_dir: pathlib.Path) -> None:
+        self.path, self._offset, self._partial = run_dir / METRICS_FILE, 0, b""
+        self.records: list[dict[str, Any]] = []
+
+    def poll(self) -> list[dict[str, Any]]:
+        """The records appended since the last poll (a line still being written waits for the next)."""
+        if not self.path.exists():
+            return []
+        with self.path.open("rb") as f:
+            f.seek(self._offset)
+            data = f.read()
+        self._offset += len(data)
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        new = [json.loads(line) for line in lines if line.strip()]
+        self.records.extend(new)
+        return new
 
 
 def read_records(run_dir: pathlib.Path) -> list[dict[str, Any]]:
