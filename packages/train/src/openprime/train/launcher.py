@@ -11,6 +11,7 @@ tools/chaos.py drive: they kill, freeze and add nodes through it.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import multiprocessing as mp
 import os
@@ -89,11 +90,23 @@ def _leave(*_: object) -> None:
     sys.exit(143)
 
 
+# `kill -USR1 PID` makes a node process print every thread's Python stack to its stderr (and go on): how to see
+# where a node that is alive but stuck waits. Launcher.wait does it to every node still running at its timeout.
+STACKS_SIGNAL = signal.SIGUSR1
+
+
+def install_stack_dump() -> None:
+    """In a node process: print all threads' stacks to stderr on STACKS_SIGNAL (faulthandler, no Python code
+    needs to run, so it works even when the interpreter is stuck in a C call holding the GIL)."""
+    faulthandler.register(STACKS_SIGNAL, file=2, all_threads=True)  # fd 2 itself, wherever sys.stderr points
+
+
 def node_main(cfg: RunConfig, node: int, coordinator: str, run_dir: pathlib.Path, num_threads: int,
               resume: Checkpoint | None = None, local_rank: int = 0,
               local_rendezvous: Rendezvous | None = None) -> None:
     """The body of one node process (one local rank): SIGTERM leaves gracefully (the deathrattle), errors exit 1."""
     signal.signal(signal.SIGTERM, _leave)
+    install_stack_dump()
     try:
         run_node(cfg, node=node, coordinator=coordinator, run_dir=run_dir, num_threads=num_threads, resume=resume,
                  local_rank=local_rank, local_rendezvous=local_rendezvous)
@@ -169,12 +182,32 @@ class Launcher:
                         p.kill()
 
     def wait(self, timeout_s: float | None = None) -> dict[int, int | None]:
-        """Wait for every node to exit (or the timeout); returns exit codes by node (of its local rank 0)."""
+        """Wait for every node to exit (or the timeout); returns exit codes by node (of its local rank 0).
+
+        Processes still running at the timeout print their threads' stacks (to their stderr) before this returns:
+        where a hung node waits is then on record, whatever the caller does with them next."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while (any(p.is_alive() for procs in self.local_procs.values() for p in procs)
-               and (deadline is None or time.monotonic() < deadline)):
+        while self._alive() and (deadline is None or time.monotonic() < deadline):
             time.sleep(0.2)
+        if self._alive():
+            self.dump_stacks()
         return {n: p.exitcode for n, p in self.procs.items()}
+
+    def _alive(self) -> list[mp.Process]:
+        return [p for procs in self.local_procs.values() for p in procs if p.is_alive()]
+
+    def dump_stacks(self, settle_s: float = 1.0) -> list[str]:
+        """Ask every live node process for its threads' stacks (STACKS_SIGNAL); returns the processes asked."""
+        asked = []
+        for p in self._alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, STACKS_SIGNAL)
+                asked.append(p.name)
+        if asked:
+            print(f"openprime: still running, stacks printed to their output: {', '.join(asked)}", file=sys.stderr,
+                  flush=True)
+            time.sleep(settle_s)  # faulthandler writes from the signal handler; give it a moment
+        return asked
 
     def stop(self) -> None:
         self._watching.set()
