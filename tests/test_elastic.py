@@ -25,7 +25,7 @@ import pytest
 from openprime.train.launcher import Launcher
 from openprime.train.metrics import summarize
 from openprime.train.recipe import recipe_config
-from openprime.train.testing import outer_done, outer_records, run_records, wait_for
+from openprime.train.testing import outer_done, outer_records, run_records, wait_for, wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NUM_STEPS, H = 60, 5
@@ -61,15 +61,8 @@ def _start(tmp_path, num_nodes: int, *extra: str, coordinator: str | None = None
     return launcher
 
 
-def _wait_until(condition, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"condition not reached in {timeout_s}s"
-        time.sleep(0.05)
-
-
 def _members_after(run_dir: pathlib.Path, node: int) -> list[int]:
-    return [r["num_members"] for r in run_records(run_dir) if r["kind"] == "outer" and r["node"] == node]
+    return [r["num_members"] for r in outer_records(run_records(run_dir), node)]
 
 
 def test_kill_during_inner_steps(tmp_path):
@@ -91,7 +84,7 @@ def test_kill_during_the_all_reduce(tmp_path):
     # (it counts outer steps from 0, the records from 1): the kill lands half a second into that all-reduce (of
     # about 3 s), whatever the machine's load.
     coordinator = launcher.coordinator_server
-    _wait_until(lambda: coordinator.all_reducing == 3 - 1, timeout_s=120)
+    wait_until(lambda: coordinator.all_reducing == 3 - 1, timeout_s=120)
     time.sleep(0.5)
     os.kill(launcher.procs[2].pid, signal.SIGKILL)
     _finish(launcher, expected_ok={0, 1}, timeout_s=400)
@@ -106,10 +99,8 @@ def test_graceful_exit_is_removed_at_once(tmp_path):
     wait_for(launcher.run_dir, outer_done(2, 2))
     launcher.procs[2].terminate()  # SIGTERM: the node sends its deathrattle
     killed_at = time.time()
-    wait_for(launcher.run_dir, lambda rs: any(r["kind"] == "outer" and r["node"] == 0 and r["num_members"] == 2
-                                               for r in rs))
-    first_without = next(r for r in run_records(launcher.run_dir)
-                         if r["kind"] == "outer" and r["node"] == 0 and r["num_members"] == 2)
+    wait_for(launcher.run_dir, lambda rs: any(r["num_members"] == 2 for r in outer_records(rs, 0)))
+    first_without = next(r for r in outer_records(run_records(launcher.run_dir), 0) if r["num_members"] == 2)
     # Node 0 finished the step without node 2 sooner than a heartbeat timeout would have allowed.
     assert first_without["time"] - killed_at < 9, first_without["time"] - killed_at
     _finish(launcher, expected_ok={0, 1})
@@ -120,13 +111,12 @@ def test_frozen_node_is_evicted_then_rejoins(tmp_path):
     launcher = _start(tmp_path, 3)
     wait_for(launcher.run_dir, outer_done(2, 2))
     os.kill(launcher.procs[2].pid, signal.SIGSTOP)
-    wait_for(launcher.run_dir, lambda rs: any(r["kind"] == "outer" and r["node"] == 0 and r["num_members"] == 2
-                                               for r in rs))
+    wait_for(launcher.run_dir, lambda rs: any(r["num_members"] == 2 for r in outer_records(rs, 0)))
     os.kill(launcher.procs[2].pid, signal.SIGCONT)
     wait_for(launcher.run_dir, lambda rs: any(r["kind"] == "rejoined" and r["node"] == 2 for r in rs))
     _finish(launcher, expected_ok={0, 1, 2})
     # After rejoining, node 2's global state matched the others' at every outer step (hashes_agree above).
-    late = [r for r in run_records(launcher.run_dir) if r["kind"] == "outer" and r["node"] == 2]
+    late = outer_records(run_records(launcher.run_dir), 2)
     assert late[-1]["outer_step"] == NUM_STEPS // H
 
 
@@ -139,12 +129,12 @@ def test_node_started_mid_run_is_admitted_at_the_next_outer_step(tmp_path, mode)
     records = run_records(launcher.run_dir)
     start = next(r for r in records if r["kind"] == "start" and r["node"] == 2)
     assert start["joining"]
-    joined = [r for r in records if r["kind"] == "outer" and r["node"] == 2]
+    joined = outer_records(records, 2)
     assert joined and joined[0]["outer_step"] >= 4 and joined[0]["num_members"] == 3
     assert joined[0]["num_contributors"] == 2  # the joiner entered with a zero pseudo-gradient
     others = {r["state_hash"] for r in records if r["kind"] == "outer" and r["outer_step"] == joined[0]["outer_step"]}
     assert others == {joined[0]["state_hash"]}  # its first outer step ends bit-identical to the others'
-    admitted = [r for r in records if r["kind"] == "outer" and r["node"] == 0 and r["num_members"] == 3][0]
+    admitted = [r for r in outer_records(records, 0) if r["num_members"] == 3][0]
     if mode == "blocking":  # the others waited for the transfer, then did that outer step with the joiner
         assert admitted["outer_step"] == joined[0]["outer_step"]
     else:  # the joiner took part without state, got it after the commit and entered the step after
@@ -160,10 +150,7 @@ def test_donor_killed_mid_transfer_the_joiner_finishes_from_another(tmp_path):
     joiner = len(launcher.procs)
     launcher.start_node()
     coordinator = launcher.coordinator_server
-    deadline = time.monotonic() + 120
-    while len(coordinator.members) < 4:
-        assert time.monotonic() < deadline, "the joiner was never admitted"
-        time.sleep(0.02)
+    wait_until(lambda: len(coordinator.members) == 4, timeout_s=120)  # the joiner was admitted
     donor_id = coordinator.members[0]
     time.sleep(2.0)  # the group is built and the transfer under way
     node_of = {r["node_id"]: r["node"] for r in run_records(launcher.run_dir) if r["kind"] == "start"}
@@ -172,7 +159,7 @@ def test_donor_killed_mid_transfer_the_joiner_finishes_from_another(tmp_path):
     os.kill(launcher.procs[donor].pid, signal.SIGKILL)
     survivors = {0, 1, 2, joiner} - {donor}
     _finish(launcher, expected_ok=survivors, timeout_s=400)
-    first = [r for r in run_records(launcher.run_dir) if r["kind"] == "outer" and r["node"] == joiner][0]
+    first = outer_records(run_records(launcher.run_dir), joiner)[0]
     assert first["num_tries"] >= 2 and first["num_members"] == 3, first  # finished in a retry, without the donor
     assert first["received_state"]
 
@@ -186,15 +173,15 @@ def test_joiner_killed_mid_transfer_the_donor_is_unaffected(tmp_path):
     wait_for(launcher.run_dir, outer_done(0, 3))
     launcher.start_node()  # node 3
     def with_joiner(rs):
-        return [r for r in rs if r["kind"] == "outer" and r["node"] == 0 and r["num_members"] == 4]
+        return [r for r in outer_records(rs, 0) if r["num_members"] == 4]
     wait_for(launcher.run_dir, with_joiner)
     time.sleep(1.0)
     os.kill(launcher.procs[3].pid, signal.SIGKILL)
     _finish(launcher, expected_ok={0, 1, 2}, timeout_s=400)
     records = run_records(launcher.run_dir)
-    assert not [r for r in records if r["kind"] == "outer" and r["node"] == 3]  # it died before it had the state
+    assert not outer_records(records, 3)  # it died before it had the state
     admitted = with_joiner(records)[0]
-    after = [r for r in records if r["kind"] == "outer" and r["node"] == 0 and r["outer_step"] > admitted["outer_step"]]
+    after = [r for r in outer_records(records, 0) if r["outer_step"] > admitted["outer_step"]]
     # The outer step after it went through at the first try, without node 3: nothing waited on or failed
     # because of the broken background transfer.
     assert after[0]["num_tries"] == 1 and after[0]["num_members"] == 3, (admitted, after[0])

@@ -12,10 +12,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from openprime.train.metrics import METRICS_FILE, read_records
+from openprime.train.metrics import METRICS_FILE, MetricsTail, read_records
 
 Records = list[dict[str, Any]]
-POLL_S = 0.1  # how often a wait re-reads the metrics file
+POLL_S = 0.1  # how often a wait polls the metrics file or its condition
 
 
 def run_records(run_dir: pathlib.Path) -> Records:
@@ -26,9 +26,11 @@ def run_records(run_dir: pathlib.Path) -> Records:
 def wait_for(run_dir: pathlib.Path, predicate: Callable[[Records], bool], timeout_s: float = 120, *,
              unless_dead: Sequence[mp.Process] = ()) -> None:
     """Until `predicate(records)`; fails at `timeout_s`, or at once when every process of `unless_dead` died."""
+    tail = MetricsTail(run_dir)  # reads only what was appended since the last poll
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if predicate(run_records(run_dir)):
+        tail.poll()
+        if predicate(tail.records):
             return
         if unless_dead and not any(p.is_alive() for p in unless_dead):
             raise AssertionError(f"the processes died first: {[(p.name, p.exitcode) for p in unless_dead]}")
@@ -45,3 +47,11 @@ def outer_done(node: int, outer_step: int) -> Callable[[Records], bool]:
     """A predicate for `wait_for`: `node` finished outer step `outer_step` (or a later one)."""
     return lambda recs: any(r["outer_step"] >= outer_step for r in outer_records(recs, node))
 
+
+def wait_until(condition: Callable[[], bool], timeout_s: float) -> None:
+    """Until `condition()` (of anything but the metrics, e.g. the in-process coordinator's state); fails at
+    `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"condition not reached in {timeout_s}s"
+        time.sleep(POLL_S)
