@@ -184,3 +184,14 @@ def test_compare_and_the_table(tmp_path):
     assert "node 3 killed after step 30; replacement started 2.5 s later, but not admitted" in table
     if convergence.plot(tmp_path / "c.png", results, s):
         assert (tmp_path / "c.png").stat().st_size > 1000
+
+
+def test_a_runs_directory_holding_a_run_is_refused_before_training(tmp_path, capsys):
+    held = tmp_path / "runs" / convergence.DILOCO_INT8.name
+    held.mkdir(parents=True)
+    (held / "metrics.jsonl").write_text('{"kind": "start"}\n')
+    with pytest.raises(SystemExit) as exit_:
+        convergence.main(["--short", "--out", str(tmp_path), "--only", "diloco_fp32,diloco_int8"])
+    assert exit_.value.code == 2
+    assert f"{held} already hold(s) a run" in capsys.readouterr().err
+    assert not (tmp_path / "runs" / convergence.DILOCO_FP32.name).exists()  # nothing trained

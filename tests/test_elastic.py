@@ -28,15 +28,21 @@ from openprime.train.recipe import recipe_config
 from openprime.train.testing import outer_done, outer_records, run_records, wait_for, wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-NUM_STEPS, H = 60, 5
-FAST = [f"train.num_steps={NUM_STEPS}", f"diloco.num_inner_steps={H}", "train.log_every=20",
-        "mesh.heartbeat_interval_s=0.5", "mesh.sync_timeout_s=60", "timeouts.connect_s=10", "timeouts.op_s=5"]
+H = 5
+FAST = [f"diloco.num_inner_steps={H}", "train.log_every=20", "mesh.heartbeat_interval_s=0.5",
+        "mesh.sync_timeout_s=60", "timeouts.connect_s=10", "timeouts.op_s=5"]
+# Runs as short as each test allows (the schedule shrunk to fit): a node lost at outer step 2 needs a few outer steps
+# after it (6 in all), a frozen node or a restarted coordinator also the rejoin (8), a node started mid-run (~10 s to
+# start on a busy machine) or a transfer over a slow link 12.
+SHORT = ("schedule.num_warmup_steps=10", "schedule.num_decay_steps=10", "train.num_steps=30")
+MEDIUM = ("schedule.num_warmup_steps=10", "schedule.num_decay_steps=20", "train.num_steps=40")
+LONG = ("train.num_steps=60",)  # the debug recipe's schedule: 20 warmup + 40 decay steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.flaky(reruns=1)]
 
 
-def _config(*extra: str):
-    return recipe_config(ROOT / "recipes" / "debug.py", [*FAST, *extra])
+def _config(steps: tuple[str, ...], *extra: str):
+    return recipe_config(ROOT / "recipes" / "debug.py", [*FAST, *steps, *extra])
 
 
 def _finish(launcher: Launcher, expected_ok: set[int], timeout_s: float = 150) -> dict:
@@ -53,8 +59,9 @@ def _finish(launcher: Launcher, expected_ok: set[int], timeout_s: float = 150) -
     return codes
 
 
-def _start(tmp_path, num_nodes: int, *extra: str, coordinator: str | None = None) -> Launcher:
-    launcher = Launcher(_config(*extra), tmp_path / "run", num_nodes=num_nodes, coordinator=coordinator)
+def _start(tmp_path, num_nodes: int, *extra: str, steps: tuple[str, ...] = SHORT,
+           coordinator: str | None = None) -> Launcher:
+    launcher = Launcher(_config(steps, *extra), tmp_path / "run", num_nodes=num_nodes, coordinator=coordinator)
     launcher.run_dir.mkdir(parents=True, exist_ok=True)
     for _ in range(num_nodes):
         launcher.start_node()
@@ -78,8 +85,8 @@ def test_kill_during_the_all_reduce(tmp_path):
     # A slow link (25 Mbit/s) makes each all-reduce of the debug model last seconds: the kill lands inside one.
     # 35 steps, not 60: 4 outer steps after the kill show the run went on, and each costs 2-3 s of shaped link.
     launcher = _start(tmp_path, 3, "transport.kind=tcp", "transport.options.shaping.rate_bps=2.5e7",
-                      "transport.options.num_connections=1", "schedule.num_warmup_steps=10",
-                      "schedule.num_decay_steps=15", "train.num_steps=35")
+                      "transport.options.num_connections=1", steps=("schedule.num_warmup_steps=10",
+                                                                   "schedule.num_decay_steps=15", "train.num_steps=35"))
     # The coordinator (in this process) says when the members of outer step 3 have their view and are all-reducing
     # (it counts outer steps from 0, the records from 1): the kill lands half a second into that all-reduce (of
     # about 3 s), whatever the machine's load.
@@ -108,7 +115,7 @@ def test_graceful_exit_is_removed_at_once(tmp_path):
 
 
 def test_frozen_node_is_evicted_then_rejoins(tmp_path):
-    launcher = _start(tmp_path, 3)
+    launcher = _start(tmp_path, 3, steps=MEDIUM)
     wait_for(launcher.run_dir, outer_done(2, 2))
     os.kill(launcher.procs[2].pid, signal.SIGSTOP)
     wait_for(launcher.run_dir, lambda rs: any(r["num_members"] == 2 for r in outer_records(rs, 0)))
@@ -117,12 +124,12 @@ def test_frozen_node_is_evicted_then_rejoins(tmp_path):
     _finish(launcher, expected_ok={0, 1, 2})
     # After rejoining, node 2's global state matched the others' at every outer step (hashes_agree above).
     late = outer_records(run_records(launcher.run_dir), 2)
-    assert late[-1]["outer_step"] == NUM_STEPS // H
+    assert late[-1]["outer_step"] == launcher.cfg.num_outer_steps
 
 
 @pytest.mark.parametrize("mode", ["blocking", "non_blocking"])
 def test_node_started_mid_run_is_admitted_at_the_next_outer_step(tmp_path, mode):
-    launcher = _start(tmp_path, 2, f"diloco.recovery={mode}")
+    launcher = _start(tmp_path, 2, f"diloco.recovery={mode}", steps=LONG)
     wait_for(launcher.run_dir, outer_done(0, 3))
     launcher.start_node()  # node 2
     _finish(launcher, expected_ok={0, 1, 2})
@@ -145,7 +152,8 @@ def test_donor_killed_mid_transfer_the_joiner_finishes_from_another(tmp_path):
     # 25 Mbit/s links make the ~29 MB transfer (weights, outer momentum, AdamW state) last about 10 s;
     # int8 keeps the all-reduces short. The donor is the first old member of the view that admits node 3.
     launcher = _start(tmp_path, 3, "transport.kind=tcp", "transport.options.shaping.rate_bps=2.5e7",
-                      "transport.options.num_connections=1", "diloco.compression=int8", "checkpoint.mode=off")
+                      "transport.options.num_connections=1", "diloco.compression=int8", "checkpoint.mode=off",
+                      steps=LONG)
     wait_for(launcher.run_dir, outer_done(0, 3))
     joiner = len(launcher.procs)
     launcher.start_node()
@@ -169,7 +177,7 @@ def test_joiner_killed_mid_transfer_the_donor_is_unaffected(tmp_path):
     # 25 Mbit/s, about 10 s) from a background thread while everyone trains; node 3 is killed during it.
     launcher = _start(tmp_path, 3, "transport.kind=tcp", "transport.options.shaping.rate_bps=2.5e7",
                       "transport.options.num_connections=1", "diloco.compression=int8", "checkpoint.mode=off",
-                      "diloco.recovery=non_blocking")
+                      "diloco.recovery=non_blocking", steps=LONG)
     wait_for(launcher.run_dir, outer_done(0, 3))
     launcher.start_node()  # node 3
     def with_joiner(rs):
@@ -212,7 +220,7 @@ def test_coordinator_killed_and_restarted(tmp_path):
     port, store_port = _free_port(), _free_port()
     coordinator = _serve(port, store_port)
     try:
-        launcher = _start(tmp_path, 3, coordinator=f"127.0.0.1:{port}")
+        launcher = _start(tmp_path, 3, steps=MEDIUM, coordinator=f"127.0.0.1:{port}")
         wait_for(launcher.run_dir, outer_done(0, 3))
         coordinator.kill()
         coordinator.wait(timeout=10)

@@ -2,6 +2,7 @@
 
     python tools/experiments/convergence.py --out docs/convergence  # the full run: ~20 min on 2 CPU cores
     python tools/experiments/convergence.py --short --out /tmp/convergence  # the CI version (tests/test_convergence.py)
+    python tools/experiments/convergence.py --long --only data_parallel,diloco_int8 --out /tmp/long  # 4x the steps
 
 Every variant trains the debug recipe's Llama (recipes/debug.py) on its offline text (the King James Bible and
 CPython's standard library) for the same number of inner steps with the same global batch (4 nodes x 8
@@ -103,10 +104,14 @@ class Settings:
 # 10 outer steps; node 3 is killed 10 inner steps after the 5th.
 FULL = Settings(name="full", num_steps=500, seq_len=128, kill_after_step=260, timeout_s=900)
 # The same variants in a few minutes: 2 layers instead of 4, sequences of 64 tokens, 75 steps, H = 25 (3 outer
-# steps; node 3 is killed 5 steps into the second). The model stays large enough (1.4M parameters) for the
+# steps; node 3 is killed 5 steps into the second: a replacement started before the first outer step would simply
+# be one of the starting members, admitted without a transfer). The model stays large enough (1.4M parameters) for the
 # codebooks and the framing to cost under 1% of the int8 bytes.
 SHORT = Settings(name="short", num_steps=75, num_inner_steps=25, seq_len=64, model=("model.num_layers=2",),
                  kill_after_step=30, timeout_s=150)
+# Does the gap to data parallel close with more outer steps? The full run four times longer: 40 outer steps, 8.2M
+# tokens, so the ~2M tokens of text are read about four times (the Bible is all used at 4M characters).
+LONG = attrs.evolve(FULL, name="long", num_steps=2000, kill_after_step=1010, timeout_s=3600)
 
 
 @attrs.frozen(kw_only=True)
@@ -217,13 +222,15 @@ class Killer:
 
     def _stop_if_left_behind(self, launcher, records: Sequence[dict[str, Any]], console: Console) -> None:
         """A replacement still waiting for an outer step when the others have finished would wait for the
-        barrier's timeout (hours): stop it 10 s after the last of them exited."""
+        barrier's timeout (hours): stop it once the last of them exited 3 s ago (time for an admitted replacement's
+        last outer record to reach the metrics), once."""
         proc = launcher.procs[self.replacement]
-        if not proc.is_alive() or any(p.is_alive() for n, p in launcher.procs.items() if n != self.replacement):
+        if self.stopped_unadmitted or not proc.is_alive() or any(
+                p.is_alive() for n, p in launcher.procs.items() if n != self.replacement):
             return
         self.others_gone_at = self.others_gone_at or time.monotonic()
         admitted = any(r["kind"] == "outer" and r["node"] == self.replacement for r in records)
-        if not admitted and time.monotonic() - self.others_gone_at > 10:
+        if not admitted and time.monotonic() - self.others_gone_at > 3:
             console.say(f"  node {self.replacement} was not admitted before the run ended; stopping it")
             proc.terminate()
             self.stopped_unadmitted = True
@@ -532,7 +539,9 @@ def _model_line(s: Settings) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--short", action="store_true", help="the CI version: a smaller model, 75 steps, H = 25")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--short", action="store_true", help="the CI version: a smaller model, 75 steps, H = 25")
+    size.add_argument("--long", action="store_true", help="the full run 4x longer: 2000 steps (40 outer steps)")
     parser.add_argument("--out", type=pathlib.Path, required=True, help="where results.md/json and the PNG go")
     parser.add_argument("--runs", type=pathlib.Path, help="run directories (default: OUT/runs)")
     parser.add_argument("--only", help="comma-separated variants to run (default: all): "
@@ -544,9 +553,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.redraw:
         return redraw(args.out)
-    s = SHORT if args.short else FULL
+    s = SHORT if args.short else LONG if args.long else FULL
     chosen = VARIANTS if not args.only else tuple(v for v in VARIANTS if v.name in args.only.split(","))
     runs = args.runs or args.out / "runs"
+    # A run directory's metrics are appended to: an old run's records would mix with the new one's (as `openprime
+    # run` refuses to do without --resume). Refused before anything trains.
+    held = [str(runs / v.name) for v in chosen if (runs / v.name / "metrics.jsonl").exists()]
+    if held:
+        parser.error(f"{', '.join(held)} already hold(s) a run; remove them or pass another --runs (or --out)")
     args.out.mkdir(parents=True, exist_ok=True)
     console = Console()
 
