@@ -1,9 +1,11 @@
 """Issue 8's experiment, shortened: does DiLoCo int8 train as well as DiLoCo fp32, on 4 x H fewer bytes than
 data parallel?
 
-`tools/experiments/convergence.py --short` trains one small Llama four ways on the same tokens (data parallel,
-DiLoCo fp32, DiLoCo int8, DiLoCo int8 with a node killed and replaced; 4 nodes, H = 25; the full run's fifth
-way, a single node, is left out here) in about 1-2 minutes on 2 cores. It runs in a subprocess of its own
+`tools/experiments/convergence.py --short` trains one small Llama three ways on the same tokens (data parallel,
+DiLoCo fp32, DiLoCo int8; 4 nodes, H = 25) in about a minute on 2 cores. The full run's other two ways are left
+out: the single node (data parallel without a network) and DiLoCo int8 with a node killed and replaced (what that
+shows, a node killed, replaced and given the state live, tests/test_elastic.py checks in depth; in a run this short
+the replacement is often not admitted before the end anyway). It runs in a subprocess of its own
 session, so that a run past the bound is killed with every node it started. The fast tests check the
 script's analysis on made-up records.
 """
@@ -32,8 +34,8 @@ def _load_script():
 
 
 convergence = _load_script()
-# Every variant but the single node: what it shows (data parallel without a network) is the full run's business.
-CI_VARIANTS = tuple(v for v in convergence.VARIANTS if not v.single_node)
+# What the issue asks CI to assert (see the module docstring for the two left out).
+CI_VARIANTS = (convergence.DATA_PARALLEL, convergence.DILOCO_FP32, convergence.DILOCO_INT8)
 
 
 @pytest.fixture(scope="module")
@@ -88,13 +90,6 @@ def test_every_variant_trained_to_the_end(short_run):
         assert [p["step"] for p in r["curve"]] == list(range(s["num_inner_steps"], s["num_steps"] + 1,
                                                              s["num_inner_steps"]))
         assert all(p["val_loss_spread"] == 0 for p in r["curve"]), name  # every node evaluated the same model
-    kill = results["variants"]["diloco_int8_kill"]
-    assert kill["exit_codes"]["3"] == -signal.SIGKILL
-    assert {0, 1, 2} <= set(kill["nodes_ended"])
-    # The short run's last steps take seconds: a replacement that starts slower than that (a busy machine) is not
-    # admitted before the end, and the script stops it. Admitted, it must have taken the state and finished.
-    if kill["rejoined"] is not None:
-        assert kill["rejoined"]["received_state"] and kill["rejoined"]["ended"], kill["rejoined"]
 
 
 @pytest.mark.slow

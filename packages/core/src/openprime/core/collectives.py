@@ -11,6 +11,10 @@ The owner of a finished chunk encodes it once and everyone else forwards those p
 unchanged, so with a lossy codec every rank decodes identical bytes: replicas stay bit-identical.
 The work happens in a copy; the caller's tensor is written only when every step succeeded, so a
 failure (PeerFailure) leaves it exactly as it was and the caller may retry with the survivors.
+
+With fp32 no payload is decoded: the reduce-scatter receives with `Transport.irecv_add`, which adds each
+arriving chunk into the work tensor (ZeroMQ straight from its own message memory, saving a copy), and
+the all-gather receives straight into it.
 """
 
 from __future__ import annotations
@@ -113,12 +117,21 @@ class _Ring:
         self.rs_sends: list[list] = [[] for _ in range(self.n)]  # reduce-scatter sends, by step
         self.ag_sends: list = []
 
-    def _post(self, chunk: int, key: int, *, into_result: bool) -> list[tuple[list[torch.Tensor], object]]:
+    def _post(self, chunk: int, key: int, *, into_result: bool) -> list[tuple[list[torch.Tensor] | None, object]]:
+        """Receives for the segments of `chunk`: into the result (an all-gather of fp32), added into it (the
+        reduce-scatter of fp32: the payload is None, nothing is left to decode), or into a payload buffer."""
         posted = []
         for j, seg in enumerate(self.segments[chunk]):
-            payload = ((self.codec.receive_into(seg) if into_result else None)
-                       or self.pool.get(self.codec, seg.numel(), key + j))
-            posted.append((payload, self.t.irecv(self.left, self.tag, payload, deadline=self.deadline)))
+            values = self.codec.receive_into(seg)
+            if values is not None and into_result:
+                posted.append((values, self.t.irecv(self.left, self.tag, values, deadline=self.deadline)))
+                continue
+            payload = self.pool.get(self.codec, seg.numel(), key + j)
+            if values is not None:
+                adding = self.t.irecv_add(self.left, self.tag, seg, scratch=payload[0], deadline=self.deadline)
+                posted.append((None, adding))
+            else:
+                posted.append((payload, self.t.irecv(self.left, self.tag, payload, deadline=self.deadline)))
         return posted
 
     def _send(self, payload: list[torch.Tensor], into: list) -> None:
@@ -144,7 +157,8 @@ class _Ring:
                                                                        into_result=False)
             for seg, (payload, handle) in zip(self.segments[(r - s - 1) % n], incoming, strict=True):
                 handle.wait()
-                self.codec.decode_add_(seg, payload)
+                if payload is not None:
+                    self.codec.decode_add_(seg, payload)
                 out = self.codec.encode(seg)
                 if last:  # rank r owns this finished chunk: encode it once and hold exactly what others decode
                     self.codec.decode_(seg, out)

@@ -8,8 +8,13 @@ message of seq k, so messages of one tag complete in the order they were sent.
 
 When a chunk arrives for a receive already posted, the connection reads its payload straight into
 the user's buffer (no copy). When it arrives early, it is kept in an "unexpected" buffer (bounded by
-`max_unexpected_bytes`) and copied when the receive is posted. When a connection from a peer is lost,
-every receive pending from that peer fails with PeerFailure at once, rather than at its deadline.
+`max_unexpected_bytes`) and copied when the receive is posted. A receive that adds (Transport.irecv_add)
+has an fp32 accumulator besides its buffer: each chunk is added into the accumulator's matching slice
+as it is delivered (from the buffer, or, for ZeroMQ, straight from its own message memory). The add
+holds the mailbox's lock and skips a receive that already failed, so that once the caller has seen the
+failure no late chunk changes its accumulator (which it may be recomputing for a retry). When a
+connection from a peer is lost, every receive pending from that peer fails with PeerFailure at once,
+rather than at its deadline.
 """
 
 from __future__ import annotations
@@ -17,21 +22,24 @@ from __future__ import annotations
 import bisect
 import threading
 from collections import defaultdict
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from openprime.core.errors import FrameError, OpenPrimeError, PeerFailure
 from openprime.core.frames import FrameHeader
-from openprime.core.transport import Handle, as_bytes, remaining
+from openprime.core.transport import Handle, as_bytes, check_add_buffers, remaining
 
 
 class PendingRecv(Handle):
     """A posted receive: done when all bytes of its message (and at least one frame) arrived."""
 
     def __init__(self, mailbox: Mailbox, peer: int, tag: int, seq: int, buffers: list[torch.Tensor],
-                 deadline: float) -> None:
+                 deadline: float, acc: torch.Tensor | None = None) -> None:
         self._mailbox, self.peer, self.tag, self.seq, self._deadline = mailbox, peer, tag, seq, deadline
         self.views = [as_bytes(b) for b in buffers]
+        self.acc = acc.reshape(-1) if acc is not None else None  # fp32, the size of the one buffer
         self.sizes = tuple(v.numel() for v in self.views)
         self.starts = [0]
         for s in self.sizes:
@@ -53,6 +61,19 @@ class PendingRecv(Handle):
         if lo + header.length > self.sizes[i]:
             raise FrameError(self.peer, f"chunk [{header.offset}, {header.offset + header.length}) spans buffers")
         return self.views[i][lo : lo + header.length]
+
+    def acc_region(self, header: FrameHeader) -> torch.Tensor:
+        """The fp32 slice of the accumulator that a chunk adds into."""
+        if header.offset % 4 or header.length % 4:
+            raise FrameError(self.peer, f"chunk [{header.offset}, {header.offset + header.length}) of an fp32 message "
+                                        f"is not aligned to 4 bytes")
+        return self.acc[header.offset // 4 : (header.offset + header.length) // 4]
+
+    def add_region(self, header: FrameHeader, data: torch.Tensor | np.ndarray) -> None:
+        """acc_region += the fp32 values of a chunk's bytes `data` (numpy's add releases the GIL)."""
+        out = self.acc_region(header).numpy()
+        raw = data.numpy() if isinstance(data, torch.Tensor) else data
+        np.add(out, raw.view(np.float32), out=out)
 
     def wait(self) -> None:
         with self._mailbox.cond:
@@ -97,11 +118,13 @@ class Mailbox:
 
     # -------------------------------------------------------------- the user's side
 
-    def post(self, peer: int, tag: int, buffers: list[torch.Tensor], deadline: float) -> PendingRecv:
+    def post(self, peer: int, tag: int, buffers: list[torch.Tensor], deadline: float,
+             acc: torch.Tensor | None = None) -> PendingRecv:
+        """A receive into `buffers`; with `acc` (fp32), of one buffer whose chunks are also added into `acc`."""
         with self.cond:
             seq = self._next_seq[(peer, tag)]
             self._next_seq[(peer, tag)] = seq + 1
-            recv = PendingRecv(self, peer, tag, seq, buffers, deadline)
+            recv = PendingRecv(self, peer, tag, seq, buffers, deadline, acc)
             key = (peer, tag, seq)
             self._posted[key] = recv
             for early in [u for u in self._unexpected.get(key, []) if u.filled]:
@@ -131,6 +154,8 @@ class Mailbox:
                 if header.sizes != recv.sizes:
                     self._fail(recv, _size_mismatch(recv, header))
                     return None, None
+                if recv.acc is not None:
+                    recv.acc_region(header)  # refuses a chunk not aligned to fp32 before its payload is read
                 return recv, recv.region(header)
             if key in self._finished or header.seq < self._next_seq[(peer, header.tag)]:
                 return None, None
@@ -142,11 +167,21 @@ class Mailbox:
             self._unexpected_bytes += header.length
             return early, early.data
 
-    def delivered(self, peer: int, header: FrameHeader, token: object, framed: int) -> None:
-        """A chunk's payload has been read into the slice `target` gave."""
+    @staticmethod
+    def adds(token: object) -> bool:
+        """Whether `target`'s token is a receive that adds: a connection holding the chunk's payload in memory of
+        its own (ZeroMQ) then skips the copy into the slice and hands the payload to `delivered`."""
+        return isinstance(token, PendingRecv) and token.acc is not None
+
+    def delivered(self, peer: int, header: FrameHeader, token: object, framed: int,
+                  payload: np.ndarray | None = None) -> None:
+        """A chunk's payload has been read into the slice `target` gave, or, for a receive that adds, into that
+        slice or `payload` (uint8)."""
         with self.cond:
             self.bytes_received += framed
             if isinstance(token, PendingRecv):
+                if token.acc is not None and header.length and token.error is None:
+                    token.add_region(header, payload if payload is not None else token.region(header))
                 self._account(token, header.length, framed)
                 return
             if isinstance(token, _Unexpected):
@@ -193,7 +228,14 @@ class Mailbox:
         if early.header.sizes != recv.sizes:
             self._fail(recv, _size_mismatch(recv, early.header))
             return
-        recv.region(early.header).copy_(early.data)
+        if recv.acc is not None:
+            try:
+                recv.add_region(early.header, early.data)
+            except FrameError as e:
+                self._fail(recv, e)
+                return
+        else:
+            recv.region(early.header).copy_(early.data)
         self._account(recv, early.header.length, early.framed)
 
     def _account(self, recv: PendingRecv, nbytes: int, framed: int) -> None:
@@ -217,3 +259,22 @@ class Mailbox:
             self._fail(recv, error)
         for key in [k for k in self._unexpected if k[0] == peer and drop_unexpected]:
             self._unexpected_bytes -= sum(u.data.numel() for u in self._unexpected.pop(key))
+
+
+class MailboxReceives:
+    """`irecv` and `irecv_add` of a Transport whose connections fill a Mailbox (`self._mailbox`). The transport
+    says in `_receivable(peer)` whether it can still receive from `peer` (it raises PeerFailure if not)."""
+
+    _mailbox: Mailbox
+
+    def _receivable(self, peer: int) -> None:
+        raise NotImplementedError
+
+    def irecv(self, peer: int, tag: int, buffers: Sequence[torch.Tensor], *, deadline: float) -> Handle:
+        self._receivable(peer)
+        return self._mailbox.post(peer, tag, list(buffers), deadline)
+
+    def irecv_add(self, peer: int, tag: int, acc: torch.Tensor, *, scratch: torch.Tensor, deadline: float) -> Handle:
+        check_add_buffers(acc, scratch)
+        self._receivable(peer)
+        return self._mailbox.post(peer, tag, [scratch], deadline, acc)

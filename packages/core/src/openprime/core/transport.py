@@ -3,7 +3,9 @@
 A group is `world_size` processes with ranks 0..world_size-1 that met at a `Rendezvous`. A message is
 a list of contiguous CPU tensors (any dtype) sent to one peer under an integer tag; the receiver
 passes preallocated tensors of the same sizes and they are filled in place. Messages between two
-peers under one tag arrive in the order they were sent.
+peers under one tag arrive in the order they were sent. `irecv_add` receives a message of fp32 values
+and adds it into an accumulator (the reduce-scatter of the ring all-reduce); ZeroMQ adds each chunk
+as it arrives, from its own message memory, instead of copying it into a buffer first.
 
 Every operation carries an absolute deadline (`time.monotonic()` seconds). A lost peer or a passed
 deadline raises `PeerFailure` naming the peer; no call hangs. After a `PeerFailure` the transport may
@@ -45,6 +47,14 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+def check_add_buffers(acc: torch.Tensor, scratch: torch.Tensor) -> None:
+    """Transport.irecv_add's arguments: contiguous fp32 CPU tensors of the same size."""
+    if acc.dtype != torch.float32 or scratch.dtype != torch.float32 or scratch.numel() != acc.numel():
+        raise ValueError(f"irecv_add adds into fp32 through an fp32 scratch of the same size, got {acc.dtype} "
+                         f"{acc.numel()} and {scratch.dtype} {scratch.numel()}")
+    as_bytes(acc), as_bytes(scratch)  # contiguous, on the CPU
+
+
 def remaining(deadline: float) -> float:
     """Seconds left until `deadline` (monotonic), never negative."""
     return max(0.0, deadline - time.monotonic())
@@ -56,6 +66,20 @@ class Handle(ABC):
     @abstractmethod
     def wait(self) -> None:
         """Block until the operation completes; raise PeerFailure at its deadline or if the peer is lost."""
+
+
+class _AddOnWait(Handle):
+    """irecv_add's default: the message lands in the scratch buffer, then is added into the accumulator."""
+
+    def __init__(self, receiving: Handle, acc: torch.Tensor, scratch: torch.Tensor) -> None:
+        self._receiving, self._acc, self._scratch = receiving, acc, scratch
+        self._added = False
+
+    def wait(self) -> None:
+        self._receiving.wait()
+        if not self._added:
+            self._acc.add_(self._scratch.view(self._acc.shape))
+            self._added = True
 
 
 class Transport(ABC):
@@ -92,6 +116,17 @@ class Transport(ABC):
     @abstractmethod
     def irecv(self, peer: int, tag: int, buffers: Sequence[torch.Tensor], *, deadline: float) -> Handle:
         """Start receiving a message from `peer` under `tag` into the preallocated `buffers`."""
+
+    def irecv_add(self, peer: int, tag: int, acc: torch.Tensor, *, scratch: torch.Tensor, deadline: float) -> Handle:
+        """Start receiving a message of one fp32 buffer the size of the contiguous fp32 `acc`, and add it into `acc`.
+
+        The sender sends an ordinary message. `scratch` (fp32, acc's size) is memory the transport may receive
+        into first: this default does, and adds once the message is complete (in wait()); ZeroMQ adds each chunk
+        as it arrives from its own message memory, which saves the ring all-reduce's reduce-scatter a copy.
+        After a failure `acc` is undefined (partly added).
+        """
+        check_add_buffers(acc, scratch)
+        return _AddOnWait(self.irecv(peer, tag, [scratch], deadline=deadline), acc, scratch)
 
     def send(self, peer: int, tag: int, buffers: Sequence[torch.Tensor], *, deadline: float) -> None:
         """Send and wait."""

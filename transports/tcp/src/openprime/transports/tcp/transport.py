@@ -37,7 +37,7 @@ from openprime.core.frames import (
     decode_prefix,
     encode_control,
 )
-from openprime.core.mailbox import Mailbox
+from openprime.core.mailbox import Mailbox, MailboxReceives
 from openprime.core.outbox import Chunk, ConnectionWriter, deal_message, framed_bytes, now
 from openprime.core.shaping import LinkShaper
 from openprime.core.streams import StreamTransportConfig
@@ -91,8 +91,12 @@ class _OutLink:
         self.turn = 0
 
 
-class TcpTransport(Transport):
+class TcpTransport(MailboxReceives, Transport):
     """Transport over TCP with parallel connections per peer; see the module docstring."""
+
+    # The message lands in the scratch buffer straight from the socket and is added once it is whole: adding each
+    # chunk in the connections' threads (as ZeroMQ does, which saves it a copy) measured ~4% slower here at n=2.
+    irecv_add = Transport.irecv_add
 
     def __init__(self, rendezvous: Rendezvous, rank: int, world_size: int, config: StreamTransportConfig) -> None:
         super().__init__(rank, world_size)
@@ -229,11 +233,10 @@ class TcpTransport(Transport):
 
     # ------------------------------------------------------------------ receiving
 
-    def irecv(self, peer: int, tag: int, buffers: Sequence[torch.Tensor], *, deadline: float) -> Handle:
+    def _receivable(self, peer: int) -> None:  # irecv and irecv_add: MailboxReceives
         self._check_peer(peer)
         if self._closed.is_set():
             raise PeerFailure(peer, "transport is closed")
-        return self._mailbox.post(peer, tag, list(buffers), deadline)
 
     def _accept_loop(self) -> None:
         while not self._closed.is_set():

@@ -10,7 +10,8 @@ receiver thread owns the ROUTER and, per routing id:
      it touches the mailbox; a bad frame refuses that id (logged with the peer's address, appended to
      `refusals`) and the transport goes on serving everyone else;
   3. copies each payload once, from ZeroMQ's message into the receiver's posted buffer (or into the
-     mailbox's bounded unexpected store);
+     mailbox's bounded unexpected store), or, for a receive that adds (Transport.irecv_add), adds it
+     from ZeroMQ's message into the accumulator;
   4. notices when the connection behind an id ends. A peer that closes says "bye" on each connection
      first; a connection that ends without one means the peer died, and its pending receives fail at
      once (mailbox.peer_lost) rather than at their deadline;
@@ -349,8 +350,12 @@ class Receiver:
             raise FrameError(conn.who, f"payload of {len(payload)} bytes, the header says {header.length}")
         framed = len(parts[0]) + header.length
         token, region = self._mailbox.target(conn.peer, header, framed)
+        data = np.frombuffer(payload.buffer, dtype=np.uint8)
+        if self._mailbox.adds(token):  # added from ZeroMQ's memory into the accumulator: no copy into the buffer
+            self._mailbox.delivered(conn.peer, header, token, framed, payload=data)
+            return
         if region is not None and header.length:
-            np.copyto(region.numpy(), np.frombuffer(payload.buffer, dtype=np.uint8))  # the one copy
+            np.copyto(region.numpy(), data)  # the one copy
         self._mailbox.delivered(conn.peer, header, token, framed)
 
     def _goodbye(self, conn: _Conn) -> None:

@@ -38,7 +38,7 @@ from openprime.core import auth
 from openprime.core.distributed import connect_store
 from openprime.core.errors import OpenPrimeError, PeerFailure
 from openprime.core.frames import encode_control
-from openprime.core.mailbox import Mailbox
+from openprime.core.mailbox import Mailbox, MailboxReceives
 from openprime.core.outbox import Chunk, ConnectionWriter, deal_message, framed_bytes, now
 from openprime.core.shaping import LinkShaper
 from openprime.core.streams import StreamTransportConfig
@@ -85,7 +85,7 @@ class _OutLink:
         return not self.broken and self.lost_generation != self.generation
 
 
-class ZmqTransport(Transport):
+class ZmqTransport(MailboxReceives, Transport):
     """Transport over ZeroMQ with parallel connections per peer; see the module docstring."""
 
     def __init__(self, rendezvous: Rendezvous, rank: int, world_size: int, config: StreamTransportConfig) -> None:
@@ -356,13 +356,12 @@ class ZmqTransport(Transport):
 
     # ------------------------------------------------------------------ receiving
 
-    def irecv(self, peer: int, tag: int, buffers: Sequence[torch.Tensor], *, deadline: float) -> Handle:
+    def _receivable(self, peer: int) -> None:  # irecv and irecv_add: MailboxReceives
         self._check_peer(peer)
         if self._closed.is_set():
             raise PeerFailure(peer, "transport is closed")
         if self._receiver.failure is not None:
             raise PeerFailure(peer, self._receiver.failure)
-        return self._mailbox.post(peer, tag, list(buffers), deadline)
 
     def _refuse(self, addr: str, reason: str) -> None:
         self.refusals.append((addr, reason))

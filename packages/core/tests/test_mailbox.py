@@ -1,0 +1,84 @@
+"""The mailbox of the stream transports, driven directly: receives that add (Transport.irecv_add)."""
+
+import time
+
+import pytest
+import torch
+
+from openprime.core.errors import FrameError, PeerFailure
+from openprime.core.frames import FrameHeader
+from openprime.core.mailbox import Mailbox
+
+PEER, TAG = 1, 5
+
+
+def _deliver(mailbox: Mailbox, data: torch.Tensor, offset: int, length: int, *, seq: int = 0) -> None:
+    """What a TCP connection does with one chunk: read it into the slice `target` gives, then say so."""
+    header = FrameHeader(tag=TAG, seq=seq, sizes=(data.numel(),), offset=offset, length=length)
+    token, region = mailbox.target(PEER, header, framed=length + 32)
+    region.copy_(data[offset : offset + length])
+    mailbox.delivered(PEER, header, token, framed=length + 32)
+
+
+def _message(numel: int, seed: int) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+
+
+# (offset, length, arrives before the receive is posted) of the chunks of a 1000-float message, in arrival order.
+ARRIVALS = {
+    "posted first, chunks in any order": [(3200, 800, False), (0, 1600, False), (1600, 1600, False)],
+    "a chunk before the receive": [(1600, 1600, True), (0, 1600, False), (3200, 800, False)],
+}
+
+
+@pytest.mark.parametrize("arrivals", ARRIVALS.values(), ids=ARRIVALS.keys())
+def test_chunks_are_added_into_the_accumulator(arrivals):
+    message, acc = _message(1000, 0), _message(1000, 1)
+    expected = acc + message
+    mailbox = Mailbox(max_unexpected_bytes=1 << 20)
+    raw = message.view(torch.uint8)
+    for offset, length, _ in [a for a in arrivals if a[2]]:
+        _deliver(mailbox, raw, offset, length)  # early: kept aside, added when the receive is posted
+    recv = mailbox.post(PEER, TAG, [torch.empty(1000)], time.monotonic() + 5, acc=acc)
+    for offset, length, _ in [a for a in arrivals if not a[2]]:
+        _deliver(mailbox, raw, offset, length)
+    recv.wait()
+    assert torch.equal(acc, expected)
+
+
+def test_zeromq_adds_from_its_own_memory():
+    """A connection that holds the payload (ZeroMQ) hands it to `delivered`, which adds it; the buffer is skipped."""
+    message, acc = _message(64, 4), _message(64, 5)
+    expected = acc + message
+    mailbox = Mailbox(max_unexpected_bytes=1 << 20)
+    buffer = torch.full((64,), float("nan"))
+    recv = mailbox.post(PEER, TAG, [buffer], time.monotonic() + 5, acc=acc)
+    header = FrameHeader(tag=TAG, seq=0, sizes=(256,), offset=0, length=256)
+    token, _ = mailbox.target(PEER, header, framed=288)
+    assert mailbox.adds(token)
+    mailbox.delivered(PEER, header, token, framed=288, payload=message.view(torch.uint8).numpy())
+    recv.wait()
+    assert torch.equal(acc, expected)
+    assert buffer.isnan().all()  # never written: the payload went straight into the accumulator
+
+
+def test_a_chunk_not_aligned_to_fp32_is_refused_before_its_payload_is_read():
+    mailbox = Mailbox(max_unexpected_bytes=1 << 20)
+    mailbox.post(PEER, TAG, [torch.empty(10)], time.monotonic() + 5, acc=torch.zeros(10))
+    with pytest.raises(FrameError, match="not aligned to 4 bytes"):
+        mailbox.target(PEER, FrameHeader(tag=TAG, seq=0, sizes=(40,), offset=2, length=8), framed=40)
+
+
+def test_a_chunk_delivered_after_its_receive_failed_leaves_the_accumulator_alone():
+    """Once the caller has seen the failure it may recompute the accumulator (a retry): late chunks must not land."""
+    acc = torch.zeros(256)
+    mailbox = Mailbox(max_unexpected_bytes=1 << 20)
+    recv = mailbox.post(PEER, TAG, [torch.empty(256)], time.monotonic() + 5, acc=acc)
+    header = FrameHeader(tag=TAG, seq=0, sizes=(1024,), offset=0, length=512)
+    token, region = mailbox.target(PEER, header, framed=544)  # a connection starts reading a chunk
+    mailbox.peer_lost(PEER, "connection ended without a goodbye: the peer died")
+    with pytest.raises(PeerFailure):
+        recv.wait()
+    region.copy_(torch.ones(128).view(torch.uint8))
+    mailbox.delivered(PEER, header, token, framed=544)  # the chunk it was reading ends after the failure
+    assert torch.equal(acc, torch.zeros(256))
