@@ -246,7 +246,9 @@ def test_frozen_node_is_evicted_then_rejoins(start):
     _same_final_state_on_every_node(launcher)
 
 
-@pytest.mark.parametrize("mode", ["blocking", "non_blocking"])
+# Non-blocking only: the transfer to each local rank is the same code in both modes (tests/test_elastic.py runs both
+# with one rank per node); non-blocking adds the background send and the sat-out step, the part with more to go wrong.
+@pytest.mark.parametrize("mode", ["non_blocking"])
 def test_node_started_mid_run_is_admitted_and_both_ranks_get_the_state(start, mode):
     launcher = start(2, f"diloco.recovery={mode}", steps=LONG)
     wait_for(launcher.run_dir, outer_done(0, 3))

@@ -10,7 +10,7 @@ import torch
 from openprime.core.errors import ReplicaDivergence
 from openprime.core.testing import local_group, run_threads
 from openprime.core.timeouts import Timeouts
-from openprime.diloco import DiLoCo, DiLoCoConfig, OuterOptimizer, outer_update_
+from openprime.diloco import DiLoCo, DiLoCoConfig, OuterLrSchedule, OuterOptimizer, outer_update_
 
 TIMEOUTS = Timeouts(op_s=10.0)
 
@@ -162,3 +162,26 @@ def test_bad_config_names_the_field():
         DiLoCoConfig(num_inner_steps=0)
     with pytest.raises(ConfigError, match="outer_lr must be > 0"):
         DiLoCoConfig(outer_lr=-0.7)
+
+
+def test_follow_inner_scales_the_outer_lr_by_the_inner_schedule():
+    """outer_lr_schedule=follow_inner: the outer step of a constant-lr run at outer_lr x the inner schedule's factor."""
+    theta0 = torch.tensor([1.0, -2.0, 0.5, 4.0])
+    deltas = [torch.tensor([0.1, 0.2, -0.3, 0.0]), torch.tensor([0.3, -0.2, 0.1, 1.0])]
+    factor = [0.5]
+    config = DiLoCoConfig(num_inner_steps=1, outer_lr_schedule=OuterLrSchedule.FOLLOW_INNER)
+    params = [torch.nn.Parameter(theta0.clone()) for _ in range(2)]
+    dilocos = [DiLoCo([p], config=config, transport=t, timeouts=TIMEOUTS, lr_factor=lambda: factor[0])
+               for p, t in zip(params, local_group(2), strict=True)]
+    reference_params, references = _workers(2, theta0, DiLoCoConfig(num_inner_steps=1, outer_lr=0.7 * 0.5))
+    for ps, ds in ((params, dilocos), (reference_params, references)):
+        _outer_step(ps, ds, [theta0 - d for d in deltas])
+    assert dilocos[0].outer_lr == pytest.approx(0.35)
+    for p, q in zip(params, reference_params, strict=True):
+        assert torch.equal(p.detach(), q.detach())
+    factor[0] = 0.0  # the end of a cooldown: the momentum no longer moves the weights
+    before = params[0].detach().clone()
+    _outer_step(params, dilocos, [before, before])
+    assert torch.equal(params[0].detach(), before)
+    with pytest.raises(ValueError, match="lr_factor"):
+        DiLoCo([torch.nn.Parameter(theta0.clone())], config=config, transport=local_group(1)[0], timeouts=TIMEOUTS)

@@ -1,6 +1,6 @@
 """openprime.diloco: the DiLoCo outer loop (INTELLECT-1 paper, section 2.1) around an ordinary loop."""
 
-from openprime.diloco.config import Compression, DiLoCoConfig, OuterOptimizer, RecoveryMode
+from openprime.diloco.config import Compression, DiLoCoConfig, OuterLrSchedule, OuterOptimizer, RecoveryMode
 from openprime.diloco.diloco import DiLoCo, OuterStepResult
 from openprime.diloco.outer import OuterState, outer_update_
 from openprime.diloco.recovery import ExtraState
@@ -10,6 +10,7 @@ __all__ = [
     "DiLoCo",
     "DiLoCoConfig",
     "ExtraState",
+    "OuterLrSchedule",
     "OuterOptimizer",
     "OuterState",
     "OuterStepResult",

@@ -15,6 +15,15 @@ class OuterOptimizer(enum.Enum):
     SGD = "sgd"  # no momentum: with lr 1.0 this is plain averaging of the replicas
 
 
+class OuterLrSchedule(enum.Enum):
+    """How the outer learning rate changes over the run."""
+
+    CONSTANT = "constant"  # outer_lr throughout (INTELLECT-1, DiLoCo)
+    # outer_lr times the inner schedule's factor (lr / peak lr) at each outer step: it warms up and cools down with
+    # the inner steps, so the outer momentum stops moving the weights when they do.
+    FOLLOW_INNER = "follow_inner"
+
+
 class Compression(enum.Enum):
     """How pseudo-gradients travel in the all-reduce."""
 
@@ -39,6 +48,9 @@ class DiLoCoConfig:
                                   validator=unit_interval())
     outer_optimizer: OuterOptimizer = field(OuterOptimizer.NESTEROV, doc="outer optimizer",
                                             validator=one_of_enum(OuterOptimizer))
+    outer_lr_schedule: OuterLrSchedule = field(OuterLrSchedule.CONSTANT,
+                                               doc="constant, or follow_inner: scaled like the inner lr",
+                                               validator=one_of_enum(OuterLrSchedule))
     compression: Compression = field(Compression.NONE, doc="pseudo-gradient encoding on the wire",
                                      validator=one_of_enum(Compression))
     recovery: RecoveryMode = field(RecoveryMode.BLOCKING, doc="how joiners get the state: blocking or non_blocking",

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import attrs
 import torch
@@ -33,7 +33,7 @@ from openprime.core.membership import Membership, Round, StaticMembership
 from openprime.core.state_transfer import StateCorrupt
 from openprime.core.timeouts import Timeouts
 from openprime.core.transport import Transport
-from openprime.diloco.config import DiLoCoConfig, RecoveryMode
+from openprime.diloco.config import DiLoCoConfig, OuterLrSchedule, RecoveryMode
 from openprime.diloco.outer import OuterState, outer_update_
 from openprime.diloco.recovery import ExtraState, Recovery
 
@@ -62,9 +62,15 @@ class DiLoCo:
 
     def __init__(self, params: Iterable[torch.Tensor], *, config: DiLoCoConfig, timeouts: Timeouts,
                  transport: Transport | None = None, membership: Membership | None = None,
-                 codec: Codec | None = None, joining: bool = False, extra: ExtraState | None = None) -> None:
+                 codec: Codec | None = None, joining: bool = False, extra: ExtraState | None = None,
+                 lr_factor: Callable[[], float] | None = None) -> None:
+        """`lr_factor`: the inner schedule's current lr over its peak, for outer_lr_schedule=follow_inner."""
         if (transport is None) == (membership is None):
             raise ValueError("DiLoCo takes either a transport (a static group) or a membership, not both")
+        if config.outer_lr_schedule is OuterLrSchedule.FOLLOW_INNER and lr_factor is None:
+            raise ValueError("diloco.outer_lr_schedule=follow_inner needs the inner schedule: pass "
+                             "DiLoCo(..., lr_factor=lambda: scheduler.get_last_lr()[0] / peak_lr)")
+        self._lr_factor = lr_factor if config.outer_lr_schedule is OuterLrSchedule.FOLLOW_INNER else None
         self.config = config
         self.membership = membership or StaticMembership(transport)
         self.timeouts = timeouts
@@ -83,6 +89,11 @@ class DiLoCo:
         # inner steps: it should `sit_out` the next outer step rather than make everyone wait for it.
         self.behind = False
         self._agreed_hash: str | None = None
+
+    @property
+    def outer_lr(self) -> float:
+        """The outer learning rate of the next outer step (every replica computes the same)."""
+        return self.config.outer_lr * (self._lr_factor() if self._lr_factor is not None else 1.0)
 
     @property
     def has_state(self) -> bool:
@@ -161,7 +172,7 @@ class DiLoCo:
             attempt += 1
         if num_contributors and self.has_state:
             self.state.delta.div_(num_contributors)
-            outer_update_(self.state.theta, self.state.momentum, self.state.delta, lr=self.config.outer_lr,
+            outer_update_(self.state.theta, self.state.momentum, self.state.delta, lr=self.outer_lr,
                           mu=self.config.outer_momentum, optimizer=self.config.outer_optimizer)
         if self.has_state:
             self.state.copy_to_params()

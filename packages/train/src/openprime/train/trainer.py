@@ -220,7 +220,8 @@ class Node:
         if cfg.train.strategy is Strategy.DILOCO:
             self.diloco = DiLoCo(self.model.parameters(), config=cfg.diloco, timeouts=cfg.timeouts,
                                  membership=self.mesh, codec=codec_for(cfg.diloco.compression), joining=self.joining,
-                                 extra=InnerOptimizerState(self.model, self.opt))
+                                 extra=InnerOptimizerState(self.model, self.opt),
+                                 lr_factor=lambda: self.sched.get_last_lr()[0] / cfg.optim.lr)
         else:
             self.dp = GradientAllReduce(self.model.parameters(), membership=self.mesh, timeouts=cfg.timeouts,
                                         joining=self.joining)
