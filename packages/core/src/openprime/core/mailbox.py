@@ -29,7 +29,7 @@ import torch
 
 from openprime.core.errors import FrameError, OpenPrimeError, PeerFailure
 from openprime.core.frames import FrameHeader
-from openprime.core.transport import Handle, as_bytes, check_add_buffers, remaining
+from openprime.core.transport import Handle, as_bytes, remaining
 
 
 class PendingRecv(Handle):
@@ -262,8 +262,8 @@ class Mailbox:
 
 
 class MailboxReceives:
-    """`irecv` and `irecv_add` of a Transport whose connections fill a Mailbox (`self._mailbox`). The transport
-    says in `_receivable(peer)` whether it can still receive from `peer` (it raises PeerFailure if not)."""
+    """`irecv` of a Transport whose connections fill a Mailbox (`self._mailbox`). The transport says in
+    `_receivable(peer)` whether it can still receive from `peer` (it raises PeerFailure if not)."""
 
     _mailbox: Mailbox
 
@@ -273,8 +273,3 @@ class MailboxReceives:
     def irecv(self, peer: int, tag: int, buffers: Sequence[torch.Tensor], *, deadline: float) -> Handle:
         self._receivable(peer)
         return self._mailbox.post(peer, tag, list(buffers), deadline)
-
-    def irecv_add(self, peer: int, tag: int, acc: torch.Tensor, *, scratch: torch.Tensor, deadline: float) -> Handle:
-        check_add_buffers(acc, scratch)
-        self._receivable(peer)
-        return self._mailbox.post(peer, tag, [scratch], deadline, acc)

@@ -42,7 +42,7 @@ from openprime.core.mailbox import Mailbox, MailboxReceives
 from openprime.core.outbox import Chunk, ConnectionWriter, deal_message, framed_bytes, now
 from openprime.core.shaping import LinkShaper
 from openprime.core.streams import StreamTransportConfig
-from openprime.core.transport import Handle, Rendezvous, Transport, as_bytes, remaining
+from openprime.core.transport import Handle, Rendezvous, Transport, as_bytes, check_add_buffers, remaining
 from openprime.transports.zmq.allocator import keep_freed_memory
 from openprime.transports.zmq.receiver import Receiver
 from openprime.transports.zmq.wire import BYE, CONTROL_MAX_BYTES, configure, endpoint, parse_control
@@ -356,7 +356,13 @@ class ZmqTransport(MailboxReceives, Transport):
 
     # ------------------------------------------------------------------ receiving
 
-    def _receivable(self, peer: int) -> None:  # irecv and irecv_add: MailboxReceives
+    def irecv_add(self, peer: int, tag: int, acc: torch.Tensor, *, scratch: torch.Tensor, deadline: float) -> Handle:
+        # The receiver adds each chunk from libzmq's message into `acc` (scratch stays untouched): one copy less.
+        check_add_buffers(acc, scratch)
+        self._receivable(peer)
+        return self._mailbox.post(peer, tag, [scratch], deadline, acc)
+
+    def _receivable(self, peer: int) -> None:  # irecv: MailboxReceives; irecv_add
         self._check_peer(peer)
         if self._closed.is_set():
             raise PeerFailure(peer, "transport is closed")
