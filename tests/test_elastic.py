@@ -25,18 +25,13 @@ import pytest
 from openprime.train.launcher import Launcher
 from openprime.train.metrics import summarize
 from openprime.train.recipe import recipe_config
+from openprime.train.testing import ELASTIC_FAST as FAST
+from openprime.train.testing import LONG_RUN as LONG
+from openprime.train.testing import MEDIUM_RUN as MEDIUM
+from openprime.train.testing import SHORT_RUN as SHORT
 from openprime.train.testing import outer_done, outer_records, run_records, wait_for, wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-H = 5
-FAST = [f"diloco.num_inner_steps={H}", "train.log_every=20", "mesh.heartbeat_interval_s=0.5",
-        "mesh.sync_timeout_s=60", "timeouts.connect_s=10", "timeouts.op_s=5"]
-# Runs as short as each test allows (the schedule shrunk to fit): a node lost at outer step 2 needs a few outer steps
-# after it (6 in all), a frozen node or a restarted coordinator also the rejoin (8), a node started mid-run (~10 s to
-# start on a busy machine) or a transfer over a slow link 12.
-SHORT = ("schedule.num_warmup_steps=10", "schedule.num_decay_steps=10", "train.num_steps=30")
-MEDIUM = ("schedule.num_warmup_steps=10", "schedule.num_decay_steps=20", "train.num_steps=40")
-LONG = ("train.num_steps=60",)  # the debug recipe's schedule: 20 warmup + 40 decay steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.flaky(reruns=1)]
 

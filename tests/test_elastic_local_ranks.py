@@ -33,18 +33,15 @@ from openprime.ckpt import latest, read_part
 from openprime.train.launcher import Launcher
 from openprime.train.metrics import summarize
 from openprime.train.recipe import recipe_config
-from openprime.train.testing import outer_done, outer_records, run_records, wait_for
+from openprime.train.testing import ELASTIC_FAST, outer_done, outer_records, run_records, wait_for
+from openprime.train.testing import LONG_RUN as LONG
+from openprime.train.testing import MEDIUM_RUN as MEDIUM
+from openprime.train.testing import SHORT_RUN as SHORT
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-H, RANKS = 5, 2
-# tests/test_elastic.py's FAST settings, two processes per node. Runs as short as each test allows (the schedule
-# shrunk to fit), as 6 processes share 2 cores: a node taken down at outer step 2 needs a few outer steps after it
-# (6 in all), a frozen node also its rejoin (8), a node started mid-run (~10 s to start on a busy machine) 12.
-FAST = [f"diloco.num_inner_steps={H}", "train.log_every=20", "mesh.heartbeat_interval_s=0.5",
-        "mesh.sync_timeout_s=60", "timeouts.connect_s=10", "timeouts.op_s=5", f"fsdp.num_local_ranks={RANKS}"]
-SHORT = ("schedule.num_warmup_steps=10", "schedule.num_decay_steps=10", "train.num_steps=30")
-MEDIUM = ("schedule.num_warmup_steps=10", "schedule.num_decay_steps=20", "train.num_steps=40")
-LONG = ("train.num_steps=60",)  # the debug recipe's schedule: 20 warmup + 40 decay steps
+RANKS = 2
+# tests/test_elastic.py's settings and run lengths (openprime.train.testing), two processes per node.
+FAST = [*ELASTIC_FAST, f"fsdp.num_local_ranks={RANKS}"]
 
 pytestmark = [pytest.mark.slow, pytest.mark.flaky(reruns=1)]
 

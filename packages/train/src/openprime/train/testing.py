@@ -17,6 +17,17 @@ from openprime.train.metrics import METRICS_FILE, MetricsTail, read_records
 Records = list[dict[str, Any]]
 POLL_S = 0.1  # how often a wait polls the metrics file or its condition
 
+# Overrides of the debug recipe for the elastic tests: H = 5, fast heartbeats, short deadlines.
+ELASTIC_H = 5
+ELASTIC_FAST = (f"diloco.num_inner_steps={ELASTIC_H}", "train.log_every=20", "mesh.heartbeat_interval_s=0.5",
+                "mesh.sync_timeout_s=60", "timeouts.connect_s=10", "timeouts.op_s=5")
+# Runs as short as each test allows (the schedule shrunk to fit): a node lost at outer step 2 needs a few outer steps
+# after it (6 in all), a frozen node or a restarted coordinator also the rejoin (8), a node started mid-run (~10 s to
+# start on a busy machine) or a transfer over a slow link 12.
+SHORT_RUN = ("schedule.num_warmup_steps=10", "schedule.num_decay_steps=10", "train.num_steps=30")
+MEDIUM_RUN = ("schedule.num_warmup_steps=10", "schedule.num_decay_steps=20", "train.num_steps=40")
+LONG_RUN = ("train.num_steps=60",)  # the debug recipe's schedule: 20 warmup + 40 decay steps
+
 
 def run_records(run_dir: pathlib.Path) -> Records:
     """The run's metrics records so far (none before the first node wrote one)."""
