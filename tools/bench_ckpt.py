@@ -26,6 +26,11 @@ What it measures (every number a median over repetitions; the first repetition i
    seconds the donor and the joiner spent (all threads, user and system): on a machine whose cores are
    all busy, as this 2-core one is, the rows' throughputs follow their CPU costs.
 
+3. The same live transfer and point-to-point rows over tcp and zmq with every link shaped to --rate-gbps
+   (default 1 Gbit/s, `LinkShaping`; gloo cannot shape): there the network is the bottleneck, as on the
+   WAN links live recovery is for, rather than this machine's two cores that the donor, the joiner and
+   the loopback copies share.
+
 Side by side: each repetition runs every row back to back in a rotating order, after a barrier on the
 rendezvous store (as in tools/bench_transports.py, whose helpers this reuses), so the rows share the
 machine's noise; a ratio is the median of per-repetition ratios. The single-core rate of the checksum
@@ -33,7 +38,7 @@ machine's noise; a ratio is the median of per-repetition ratios. The single-core
 
 Run (from the repository root, with the repository's virtual environment):
 
-    .venv/bin/python tools/bench_ckpt.py                      # full run, about 3 minutes on 2 cores, ~10 GB RAM
+    .venv/bin/python tools/bench_ckpt.py                      # full run, about 9 minutes on 2 cores, ~10 GB RAM
     .venv/bin/python tools/bench_ckpt.py --quick              # smoke test: the debug model only, under a minute
     .venv/bin/python tools/bench_ckpt.py --reps 7 --out ckpt.md --transports tcp,zmq
 """
@@ -60,6 +65,7 @@ import bench_transports as bt  # noqa: E402
 from openprime.ckpt import Checkpointer, SaveMode  # noqa: E402
 from openprime.ckpt.state import flatten  # noqa: E402
 from openprime.core import state_transfer  # noqa: E402
+from openprime.core.shaping import LinkShaping  # noqa: E402
 from openprime.core.state_transfer import StateFetch, StateOffer, send_state  # noqa: E402
 from openprime.core.testing import GroupContext, local_group, run_group  # noqa: E402
 from openprime.core.timeouts import Timeouts  # noqa: E402
@@ -163,10 +169,13 @@ def spread(values: list[float]) -> str:
 
 
 def body_transfer(_transport, ctx: GroupContext, factories: dict[str, Any], cfg: ModelConfig, reps: int,
-                  op_timeout_s: float) -> tuple[dict[str, Any], int, dict[str, list[float]]]:
-    """Rank 0 donates, rank 1 joins; returns ({row: seconds per rep}, state bytes, {row: CPU seconds per rep})."""
+                  op_timeout_s: float, shaped: bool = False) -> tuple[dict[str, Any], int, dict[str, list[float]]]:
+    """Rank 0 donates, rank 1 joins; returns ({row: seconds per rep}, state bytes, {row: CPU seconds per rep}).
+    `shaped`: the factories' links are shaped; only the p2p and state rows (no raw socket, no checksum-less row:
+    on a shaped link each repetition takes seconds)."""
     barrier = bt.StoreBarrier(ctx, op_timeout_s)
-    endpoints, errors = bt._build_endpoints(ctx, barrier, factories, {bt.RAW: lambda: bt.RawLink(ctx, op_timeout_s)})
+    raw = {} if shaped else {bt.RAW: lambda: bt.RawLink(ctx, op_timeout_s)}
+    endpoints, errors = bt._build_endpoints(ctx, barrier, factories, raw)
     if ctx.rank == 0:
         model, opt, diloco = build_node(cfg)
         offer = state_offer(model, opt, diloco)
@@ -190,7 +199,8 @@ def body_transfer(_transport, ctx: GroupContext, factories: dict[str, Any], cfg:
         else:
             transfer = functools.partial(_join, endpoint, targets, op_timeout_s)
         ops[f"{name}|{STATE}"] = bt.Op(run=transfer)
-        ops[f"{name}|{NO_CHECKSUM}"] = bt.Op(run=functools.partial(_without_checksum, transfer))
+        if not shaped:
+            ops[f"{name}|{NO_CHECKSUM}"] = bt.Op(run=functools.partial(_without_checksum, transfer))
     row_errors = {f"{name}|{row}": error for name, error in errors.items() for row in (P2P, STATE, NO_CHECKSUM)}
     cpu: dict[str, list[float]] = {key: [] for key in ops}
     ops = {key: bt.Op(run=functools.partial(_cpu_timed, cpu[key], op.run)) for key, op in ops.items()}
@@ -229,13 +239,13 @@ def _without_checksum(transfer) -> None:
         state_transfer._checksum = checksum
 
 
-def measure_transfer(opts, factories: dict[str, Any], cfg: ModelConfig,
-                     label: str) -> tuple[dict[str, Any], int, dict[str, float]]:
-    bt.progress(f"live transfer of the {label} state: 2 processes ...")
+def measure_transfer(opts, factories: dict[str, Any], cfg: ModelConfig, label: str,
+                     shaped: bool = False) -> tuple[dict[str, Any], int, dict[str, float]]:
+    bt.progress(f"live transfer of the {label} state{' over shaped links' if shaped else ''}: 2 processes ...")
     start = time.monotonic()
     try:
-        per_rank = run_group(2, body_transfer, factory=None, args=(factories, cfg, opts.reps, opts.op_timeout),
-                             timeout_s=opts.group_timeout)
+        per_rank = run_group(2, body_transfer, factory=None,
+                             args=(factories, cfg, opts.reps, opts.op_timeout, shaped), timeout_s=opts.group_timeout)
     except AssertionError as e:  # the whole group failed or hung: every row of it is "failed"
         bt.progress(f"{label}: group failed: {str(e).strip().splitlines()[-1][:200]}")
         return {"*": f"group failed: {str(e).strip().splitlines()[0][:160]}"}, 0, {}
@@ -275,11 +285,46 @@ def section_transfer(opts, models: dict[str, ModelConfig], targets: list[str]) -
         gc.collect()
     return (f"### Live state transfer (2 processes, donor -> joiner on loopback; reps {opts.reps})\n\n"
             + bt.table(header, rows) + "\n\nState: DiLoCo theta and momentum (shared) and the donor's AdamW state "
-            f"(own), in chunks of {state_transfer.CHUNK_BYTES >> 20} MiB. p2p: one `transport.send` of one buffer of "
-            "the same size. Ratios: medians of per-rep ratios (\"p2p / raw socket\": the raw socket's time / the p2p "
-            "time). CPU core-s: median CPU seconds of the donor and the joiner together (user and system, all "
-            "threads); where every core is busy, throughput follows it. The checksum (XXH3-64) on one core, over "
+            f"(own), in chunks of {state_transfer.CHUNK_BYTES >> 20} MiB (a state under "
+            f"{state_transfer.MIN_CHUNKS} of those in {state_transfer.MIN_CHUNKS} chunks). p2p: one "
+            "`transport.send` of one buffer of the same size. Ratios: medians of per-rep ratios (\"p2p / raw "
+            "socket\": the raw socket's time / the p2p time). CPU core-s: median CPU seconds of the donor and the "
+            "joiner together (user and system, all threads); where every core is busy, throughput follows it. The "
+            "checksum (XXH3-64) on one core, over "
             f"512 MiB: {checksum_rate():.2f} GB/s.")
+
+
+def section_shaped_transfer(opts, models: dict[str, ModelConfig], targets: list[str]) -> str:
+    """The live transfer over tcp and zmq links shaped to --rate-gbps: the network, not this machine's two
+    cores, is then the bottleneck, as on the WAN links live recovery is for."""
+    names = tuple(n for n in opts.names if n != "gloo")
+    if not names or opts.rate_gbps <= 0:
+        return ""
+    shaping = LinkShaping(rate_bps=opts.rate_gbps * 1e9)
+    factories = bt.transport_factories(names, shaping)
+    available = {k: v for k, v in factories.items() if not isinstance(v, str)}
+    rate = f"{opts.rate_gbps:g} Gbit/s"
+    header = ["state", "transport", "link GB/s", "p2p GB/s", "state transfer GB/s", "transfer / p2p",
+              "CPU core-s: p2p / transfer"]
+    rows = []
+    for label, cfg in models.items():
+        results, nbytes, cpu = measure_transfer(opts, available, cfg, label, shaped=True)
+        size = f"{label}, {nbytes / 1e6:.1f} MB" if nbytes else label
+        for name in names:
+            if isinstance(factories[name], str):
+                rows.append([size, name, *[factories[name]] * 5])
+                continue
+            p2p, state = (results.get("*", results.get(f"{name}|{row}", "not measured")) for row in (P2P, STATE))
+            cell = bt.make_cell(state, p2p, nbytes / 1e9)
+            rows.append([size, name, f"{opts.rate_gbps / 8:.3f}", bt.fmt(bt.make_cell(p2p, None, nbytes / 1e9))[0],
+                         *bt.fmt(cell), cpu_text(cpu, name, (P2P, STATE))])
+            targets.append(bt.verdict(f"live transfer over {name} shaped to {rate} >= 0.80 x its shaped p2p, {size}",
+                                      cell, lambda c: c.ratio >= 0.80, "x p2p"))
+        gc.collect()
+    return (f"### Live state transfer over links shaped to {rate} (2 processes on loopback; reps {opts.reps})\n\n"
+            + bt.table(header, rows) + f"\n\nThe same transfer and p2p rows as above, every link shaped to {rate} "
+            "(`LinkShaping`, the transports' own pacing; gloo cannot shape): the link, not the CPU, is the "
+            "bottleneck, so the checksums and the protocol's round trips overlap the wire time.")
 
 
 def cpu_text(cpu: dict[str, float], name: str, rows: tuple[str, ...]) -> str:
@@ -311,6 +356,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default=None, help="also write the markdown tables to this file")
     parser.add_argument("--transports", default=",".join(bt.TRANSPORTS),
                         help=f"comma-separated subset of {','.join(bt.TRANSPORTS)}")
+    parser.add_argument("--rate-gbps", type=float, default=1.0,
+                        help="link rate of the shaped live-transfer rows in Gbit/s (0: skip them)")
     parser.add_argument("--op-timeout", type=float, default=300.0, help="deadline of one timed operation (s)")
     parser.add_argument("--group-timeout", type=float, default=1200.0, help="bound on one group of processes (s)")
     opts = parser.parse_args(argv)
@@ -330,7 +377,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     load_before = os.getloadavg()
     targets: list[str] = []
-    sections = [section_saves(opts, opts.models), section_transfer(opts, opts.models, targets)]
+    sections = [section_saves(opts, opts.models), section_transfer(opts, opts.models, targets),
+                section_shaped_transfer(opts, opts.models, targets)]
+    sections = [section for section in sections if section]
     load_after = os.getloadavg()
     loads = f"load average {' '.join(f'{x:.2f}' for x in load_before)} before, " \
             f"{' '.join(f'{x:.2f}' for x in load_after)} after"

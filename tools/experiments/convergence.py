@@ -404,6 +404,8 @@ def _met(flag: bool | None) -> str:
 
 def markdown(results: dict[str, dict[str, Any]], ratios: dict[str, Any], s: Settings, meta: dict[str, Any]) -> str:
     dp = results.get("data_parallel", {})
+    extra = meta.get("extra") or []  # the --set overrides, which the sentence below does not know of
+    changed = f" Changed for every variant (`--set`): {', '.join(f'`{x}`' for x in extra)}." if extra else ""
     lines = [
         f"# DiLoCo int8 against data parallel ({s.name} run)",
         "",
@@ -411,7 +413,7 @@ def markdown(results: dict[str, dict[str, Any]], ratios: dict[str, Any], s: Sett
         f"{s.seq_len} tokens ({s.num_steps * s.global_batch * s.seq_len:,} tokens per variant); DiLoCo H = "
         f"{s.num_inner_steps}, Nesterov outer lr 0.7, momentum 0.9; AdamW lr {s.inner_lr:g}, warmup "
         f"{s.num_warmup_steps}, 1-sqrt cooldown over the last {s.num_decay_steps} steps; validation loss on "
-        f"{s.num_eval_batches} held-out batches of {s.batch_size} sequences. {meta['machine']}.",
+        f"{s.num_eval_batches} held-out batches of {s.batch_size} sequences. {meta['machine']}.{changed}",
         "",
         "| variant | nodes x batch | final validation loss | vs data parallel | bytes sent (all nodes) "
         "| bandwidth reduction vs data parallel | wall time |",
@@ -580,7 +582,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"sent {human_bytes(numbers['bytes_sent'])}")
     ratios = compare(results, s)
     meta = {"command": "python tools/experiments/convergence.py " + " ".join(sys.argv[1:] if argv is None else argv),
-            "machine": f"{os.cpu_count()} CPU cores, no GPU", "model": _model_line(s),
+            "machine": f"{os.cpu_count()} CPU cores, no GPU", "model": _model_line(s), "extra": list(args.extra),
             "total_s": time.monotonic() - console.t0}
     (args.out / "results.json").write_text(json.dumps(
         {"settings": attrs.asdict(s), "meta": meta, "ratios": ratios, "variants": results}, indent=1) + "\n")

@@ -9,7 +9,16 @@ import pytest
 import torch
 
 from openprime.core.errors import PeerFailure
-from openprime.core.state_transfer import TAG_STATE, StateCorrupt, StateFetch, StateOffer, send_state
+from openprime.core.state_transfer import (
+    CHUNK_BYTES,
+    MIN_CHUNK_BYTES,
+    TAG_STATE,
+    StateCorrupt,
+    StateFetch,
+    StateOffer,
+    default_chunk_bytes,
+    send_state,
+)
 from openprime.core.testing import local_group, run_threads
 from openprime.core.transport import Handle, Transport
 
@@ -131,3 +140,13 @@ def test_an_offer_that_is_not_the_agreed_state_is_refused():
 
     report, _ = run_threads([lambda: send_state(donor_t, 1, offer("A", 1), deadline=deadline), joiner])
     assert outcome["refused"] and report.num_chunks == 0 and not fetch.received  # the donor was not left waiting
+
+
+def test_a_small_state_is_cut_into_several_chunks_and_a_large_one_into_chunks_of_chunk_bytes():
+    # The debug model's state (29.4 MB) in 8 chunks of 3,674,112 bytes (a multiple of 4 KiB), not in one.
+    assert default_chunk_bytes(29_386_248) == 3_674_112 == 897 * 4096
+    assert -(-29_386_248 // default_chunk_bytes(29_386_248)) == 8
+    assert default_chunk_bytes(1_610_000_000) == CHUNK_BYTES
+    assert default_chunk_bytes(5000) == MIN_CHUNK_BYTES
+    big = StateOffer(step=1, origin="A", state_hash="h", shared={"theta": torch.zeros(3 << 20)})  # 12 MiB
+    assert big.header["chunk_bytes"] == 3 << 19 and big.layout.num_chunks == 8
