@@ -256,6 +256,13 @@ def measure_transfer(opts, factories: dict[str, Any], cfg: ModelConfig, label: s
     return bt.collect([times for times, _, _ in per_rank]), per_rank[0][1], cpu
 
 
+def row_seconds(results: dict[str, Any], factories: dict[str, Any], name: str, row: str) -> Any:
+    """Seconds per rep of one transport's row, or why it has none (not installed, the group failed, not measured)."""
+    if isinstance(factories.get(name), str):
+        return factories[name]
+    return results.get("*", results.get(f"{name}|{row}", "not measured"))
+
+
 def section_transfer(opts, models: dict[str, ModelConfig], targets: list[str]) -> str:
     factories = bt.transport_factories(opts.names)
     available = {k: v for k, v in factories.items() if not isinstance(v, str)}
@@ -266,17 +273,13 @@ def section_transfer(opts, models: dict[str, ModelConfig], targets: list[str]) -
         results, nbytes, cpu = measure_transfer(opts, available, cfg, label)
         size = f"{label}, {nbytes / 1e6:.1f} MB" if nbytes else label
 
-        def get(name: str, row: str, results=results) -> Any:
-            if isinstance(factories.get(name), str):
-                return factories[name]
-            return results.get("*", results.get(f"{name}|{row}", "not measured"))
-
-        raw = get(bt.RAW, P2P)
+        raw = row_seconds(results, factories, bt.RAW, P2P)
         rows.append([size, bt.RAW, bt.fmt(bt.make_cell(raw, raw, nbytes / 1e9))[0], "-", "-", "-", "-", "1.00",
                      cpu_text(cpu, bt.RAW, (P2P,))])
         for name in opts.names:
-            p2p = get(name, P2P)
-            cells = [bt.make_cell(get(name, row), p2p, nbytes / 1e9) for row in (STATE, NO_CHECKSUM)]
+            p2p = row_seconds(results, factories, name, P2P)
+            cells = [bt.make_cell(row_seconds(results, factories, name, row), p2p, nbytes / 1e9)
+                     for row in (STATE, NO_CHECKSUM)]
             rows.append([size, name, bt.fmt(bt.make_cell(p2p, None, nbytes / 1e9))[0], *bt.fmt(cells[0]),
                          *bt.fmt(cells[1]), bt.fmt(bt.make_cell(p2p, raw, nbytes / 1e9))[1],
                          cpu_text(cpu, name, (P2P, STATE, NO_CHECKSUM))])
@@ -311,10 +314,7 @@ def section_shaped_transfer(opts, models: dict[str, ModelConfig], targets: list[
         results, nbytes, cpu = measure_transfer(opts, available, cfg, label, shaped=True)
         size = f"{label}, {nbytes / 1e6:.1f} MB" if nbytes else label
         for name in names:
-            if isinstance(factories[name], str):
-                rows.append([size, name, *[factories[name]] * 5])
-                continue
-            p2p, state = (results.get("*", results.get(f"{name}|{row}", "not measured")) for row in (P2P, STATE))
+            p2p, state = (row_seconds(results, factories, name, row) for row in (P2P, STATE))
             cell = bt.make_cell(state, p2p, nbytes / 1e9)
             rows.append([size, name, f"{opts.rate_gbps / 8:.3f}", bt.fmt(bt.make_cell(p2p, None, nbytes / 1e9))[0],
                          *bt.fmt(cell), cpu_text(cpu, name, (P2P, STATE))])

@@ -63,6 +63,7 @@ from typing import Any
 
 import attrs
 
+from openprime.diloco import DiLoCoConfig, OuterLrSchedule, OuterOptimizer
 from openprime.train.data import prepare_data
 from openprime.train.launcher import Launcher, output_to, write_run_files
 from openprime.train.metrics import MetricsTail, human_bytes
@@ -549,10 +550,13 @@ def _draw(path: pathlib.Path, results: dict[str, dict[str, Any]], s: Settings) -
 # ---------------------------------------------------------------- main
 
 
-def _outer_line(d) -> str:
-    name = {"nesterov": "Nesterov", "momentum": "heavy-ball", "sgd": "SGD"}[d.outer_optimizer.value]
-    lr = f"{d.outer_lr:g}" + (" x the inner schedule's factor" if d.outer_lr_schedule.value == "follow_inner" else "")
-    return f"{name} outer lr {lr}" + ("" if d.outer_optimizer.value == "sgd" else f", momentum {d.outer_momentum:g}")
+def _outer_line(d: DiLoCoConfig) -> str:
+    name = {OuterOptimizer.NESTEROV: "Nesterov", OuterOptimizer.MOMENTUM: "heavy-ball",
+            OuterOptimizer.SGD: "SGD"}[d.outer_optimizer]
+    lr = f"{d.outer_lr:g}" + (" x the inner schedule's factor"
+                              if d.outer_lr_schedule is OuterLrSchedule.FOLLOW_INNER else "")
+    return f"{name} outer lr {lr}" + ("" if d.outer_optimizer is OuterOptimizer.SGD
+                                      else f", momentum {d.outer_momentum:g}")
 
 
 def _model_line(s: Settings) -> str:
