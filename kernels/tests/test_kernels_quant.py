@@ -3,13 +3,12 @@
 import math
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
-from openprime.core.collectives import ring_all_reduce
-from openprime.core.testing import local_group, run_threads
+from openprime.core.codec import DeviceStagingCodec
+from openprime.core.testing import CodecConformance
 from openprime.kernels import (
     Int8Codec,
     backend_for,
@@ -206,21 +205,22 @@ def test_codec_payload_bytes_are_deterministic():
     assert len(first) == chunk.numel() + 4 * NUM_BUCKETS
 
 
-def test_codec_in_the_ring_all_reduce_keeps_replicas_identical():
-    world, numel = 3, 50_001
-    inputs = [make("normal", numel, seed=r) for r in range(world)]
-    tensors = [t.clone() for t in inputs]
-    transports = local_group(world)
+class TestInt8Codec(CodecConformance):
+    # The suite's ring test is the int8 ring of the issue: replicas bit-identical, error a few round trips.
+    make_codec = staticmethod(Int8Codec)
+    max_relative_error = 0.015  # 1.35% on normal data (test_quantization_error_on_normal_data)
 
-    def rank(r):
-        return lambda: ring_all_reduce(transports[r], tensors[r], deadline=time.monotonic() + 60, codec=Int8Codec())
 
-    run_threads([rank(r) for r in range(world)])
-    exact = torch.stack(inputs).sum(0)
-    for t in tensors[1:]:
-        assert torch.equal(t, tensors[0])  # the owner's bytes are forwarded, so replicas are bit-identical
-    # Quantized once in each reduce-scatter step and once in the all-gather: a few times 1.35%.
-    assert ((tensors[0] - exact).norm() / exact.norm()).item() < 0.04
+class TestInt8CodecStaged(CodecConformance):
+    make_codec = staticmethod(lambda: DeviceStagingCodec(Int8Codec()))
+    max_relative_error = 0.015
+
+
+class TestInt8CodecStagedCuda(CodecConformance):
+    # What ring_all_reduce runs for a pseudo-gradient on the GPU: Triton there, codes through the host.
+    make_codec = staticmethod(lambda: DeviceStagingCodec(Int8Codec()))
+    max_relative_error = 0.015
+    device = "cuda"
 
 
 def test_importing_does_not_import_triton():

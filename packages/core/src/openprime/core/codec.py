@@ -6,7 +6,9 @@ whatever the codec, and in its all-gather forwards the owner's payload bytes unc
 decodes the same bytes and ends bit-identical (DESIGN.md, "Where PRIME fell short").
 
 `Float32Codec` sends the values as they are. The int8 codebook quantizer of INTELLECT-1 lives in
-openprime.kernels and implements the same interface.
+openprime.kernels and implements the same interface. `DeviceStagingCodec` wraps either for chunks that
+live on an accelerator: the codec runs there and only its payload crosses to host memory, where the
+transports read and write.
 """
 
 from __future__ import annotations
@@ -65,3 +67,46 @@ class Float32Codec(Codec):
 
     def receive_into(self, out: torch.Tensor) -> list[torch.Tensor] | None:
         return [out]
+
+
+class DeviceStagingCodec(Codec):
+    """`inner` run on the chunk's device (an accelerator), with every payload moved through host memory.
+
+    encode: the payload is made on the device and copied to the host for the transport (for int8, one
+    byte an element crosses, not four). decode_add_ and decode_: the received host payload is copied to
+    the accumulator's device and decoded there. The copies are synchronous: the ring reuses its host
+    receive buffers as soon as a decode returns, so no copy may still be reading one.
+    """
+
+    def __init__(self, inner: Codec) -> None:
+        if isinstance(inner, DeviceStagingCodec):
+            raise ValueError("DeviceStagingCodec wraps a codec that runs on the device, not another staging codec")
+        self.inner = inner
+        self.name = inner.name
+
+    def __repr__(self) -> str:
+        return f"DeviceStagingCodec({self.inner!r})"
+
+    def payload_like(self, numel: int) -> list[torch.Tensor]:
+        return self.inner.payload_like(numel)  # host buffers: the transports receive into them
+
+    def encode(self, chunk: torch.Tensor) -> list[torch.Tensor]:
+        return [_host_copy(p) for p in self.inner.encode(chunk)]
+
+    def decode_add_(self, acc: torch.Tensor, payload: list[torch.Tensor]) -> None:
+        self.inner.decode_add_(acc, [p.to(acc.device) for p in payload])
+
+    def decode_(self, out: torch.Tensor, payload: list[torch.Tensor]) -> None:
+        self.inner.decode_(out, [p.to(out.device) for p in payload])
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A host tensor with t's values that does not alias t, even when t is already on the host."""
+    return torch.empty(t.shape, dtype=t.dtype).copy_(t)
+
+
+def for_device(codec: Codec, device: torch.device) -> Codec:
+    """`codec` for chunks on `device`: as it is on the host, wrapped in a DeviceStagingCodec elsewhere."""
+    if device.type == "cpu" or isinstance(codec, DeviceStagingCodec):
+        return codec
+    return DeviceStagingCodec(codec)

@@ -15,6 +15,10 @@ failure (PeerFailure) leaves it exactly as it was and the caller may retry with 
 With fp32 no payload is decoded: the reduce-scatter receives with `Transport.irecv_add`, which adds each
 arriving chunk into the work tensor (ZeroMQ straight from its own message memory, saving a copy), and
 the all-gather receives straight into it.
+
+The tensor may live on an accelerator (DiLoCo's pseudo-gradient computed on the GPU): the codec then
+runs there, wrapped in a DeviceStagingCodec, and only payloads pass through host memory (for int8, the
+codes: a quarter of the fp32 bytes). The transports only ever see host buffers.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from __future__ import annotations
 import msgpack
 import torch
 
-from openprime.core.codec import Codec, Float32Codec
+from openprime.core.codec import Codec, Float32Codec, for_device
 from openprime.core.transport import Transport
 
 # Tags keep the messages of different collectives apart on one transport.
@@ -41,11 +45,11 @@ class RingBuffers:
     did not use (the group size or codec changed) are released at its end."""
 
     def __init__(self) -> None:
-        self._free: dict[tuple[int, int, int], list[torch.Tensor]] = {}
-        self._used: set[tuple[int, int, int]] = set()
+        self._free: dict[tuple[int, str, int, int], list[torch.Tensor]] = {}
+        self._used: set[tuple[int, str, int, int]] = set()
 
     def get(self, codec: Codec, numel: int, key: int) -> list[torch.Tensor]:
-        entry = (id(type(codec)), numel, key)
+        entry = (id(type(codec)), codec.name, numel, key)  # the name tells apart what a DeviceStagingCodec wraps
         if entry not in self._free:
             self._free[entry] = codec.payload_like(numel)
         self._used.add(entry)
@@ -70,7 +74,10 @@ def ring_all_reduce(
     restore_on_failure: bool = True,
     buffers: RingBuffers | None = None,
 ) -> None:
-    """Replace the 1-D fp32 CPU `tensor` by its sum over all ranks of the transport's group.
+    """Replace the 1-D fp32 `tensor` by its sum over all ranks of the transport's group.
+
+    On an accelerator the codec runs on the tensor's device and its payloads are staged through host
+    memory (`codec.for_device`); all ranks' results stay bit-identical whichever device each used.
 
     Raises PeerFailure if a neighbour is lost or `deadline` passes; the tensor is then as it was, or,
     with `restore_on_failure=False` (for callers that recompute their input anyway, saving a copy of
@@ -84,6 +91,7 @@ def ring_all_reduce(
     n, _r = transport.world_size, transport.rank
     if n == 1:
         return
+    codec = for_device(codec, tensor.device)
     work = tensor.clone() if restore_on_failure else tensor
     pool = buffers if buffers is not None else RingBuffers()
     try:

@@ -1,9 +1,10 @@
-"""Helpers shared by tests across packages: a process harness and the transport conformance suite.
+"""Helpers shared by tests across packages: a process harness and the transport and codec conformance suites.
 
 `run_group` starts real processes (multiprocessing "spawn", one thread each), gives each a transport
 from a picklable factory and runs a top-level function in it, bounded by a timeout; no process is
 left behind. `TransportConformance` is the suite every Transport implementation runs: subclass it in
 a test module as `class TestMyTransport(TransportConformance)` with `factory = functools.partial(...)`.
+`CodecConformance` (openprime.core.codec_conformance) is the suite every Codec runs.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import pytest
 import torch
 
 from openprime.core.auth import AuthConfig
+from openprime.core.codec_conformance import CodecConformance  # noqa: F401  (re-exported: the suites live here)
 from openprime.core.collectives import all_gather_object, ring_all_reduce
 from openprime.core.distributed import connect_store, gloo_group, host_store
 from openprime.core.errors import FrameError, PeerFailure
