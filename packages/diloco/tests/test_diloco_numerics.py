@@ -10,7 +10,15 @@ import torch
 from openprime.core.errors import ReplicaDivergence
 from openprime.core.testing import local_group, run_threads
 from openprime.core.timeouts import Timeouts
-from openprime.diloco import DiLoCo, DiLoCoConfig, OuterLrSchedule, OuterOptimizer, outer_update_
+from openprime.diloco import (
+    Compression,
+    DiLoCo,
+    DiLoCoConfig,
+    OuterLrSchedule,
+    OuterOptimizer,
+    PseudoGradientDevice,
+    outer_update_,
+)
 
 TIMEOUTS = Timeouts(op_s=10.0)
 
@@ -185,3 +193,41 @@ def test_follow_inner_scales_the_outer_lr_by_the_inner_schedule():
     assert torch.equal(params[0].detach(), before)
     with pytest.raises(ValueError, match="lr_factor"):
         DiLoCo([torch.nn.Parameter(theta0.clone())], config=config, transport=local_group(1)[0], timeouts=TIMEOUTS)
+
+
+def test_pseudo_gradient_on_the_parameters_device_gives_the_host_paths_bits():
+    """pseudo_gradient_device=params: delta computed in its own buffer on the parameters' device (here the
+    CPU, so no device transfer is exercised; a GPU run is in tools/device_check.sh), summed there, and
+    copied to the host for the outer step: the same bits as the host path, a non-contributor included."""
+    torch.manual_seed(3)
+    theta0 = torch.randn(1001)
+    steps = [[theta0 + torch.randn(1001) for _ in range(3)] for _ in range(2)]
+    finals = {}
+    for where in (PseudoGradientDevice.HOST, PseudoGradientDevice.PARAMS):
+        params, dilocos = _workers(3, theta0, DiLoCoConfig(num_inner_steps=1, pseudo_gradient_device=where))
+        assert (dilocos[0]._delta_device is None) == (where is PseudoGradientDevice.HOST)
+        for local in steps:
+            with torch.no_grad():
+                for p, w in zip(params, local, strict=True):
+                    p.copy_(w)
+            run_threads([dilocos[0].sync, dilocos[1].sync, lambda d=dilocos[2]: d.sync(contribute=False)])
+        finals[where] = (params[0].detach().clone(), dilocos[0].state.momentum.clone())
+    host, device = finals[PseudoGradientDevice.HOST], finals[PseudoGradientDevice.PARAMS]
+    assert torch.equal(host[0], device[0]) and torch.equal(host[1], device[1])
+    assert not torch.equal(host[0], theta0)
+
+
+@pytest.mark.parametrize(("where", "compression", "device", "expected"), [
+    (PseudoGradientDevice.AUTO, Compression.INT8, "cpu", None),
+    (PseudoGradientDevice.AUTO, Compression.INT8, "cuda", "cuda"),
+    (PseudoGradientDevice.AUTO, Compression.NONE, "cuda", None),  # fp32: the host path sends the same bytes
+    (PseudoGradientDevice.HOST, Compression.INT8, "cuda", None),
+    (PseudoGradientDevice.PARAMS, Compression.NONE, "cuda", "cuda"),
+    (PseudoGradientDevice.PARAMS, Compression.NONE, "cpu", "cpu"),
+])
+def test_where_the_pseudo_gradient_is_computed(where, compression, device, expected):
+    from openprime.diloco.diloco import _delta_device
+
+    config = DiLoCoConfig(pseudo_gradient_device=where, compression=compression)
+    got = _delta_device(config, torch.device(device))
+    assert (got.type if got is not None else None) == expected

@@ -1,6 +1,13 @@
 """openprime.diloco: the DiLoCo outer loop (INTELLECT-1 paper, section 2.1) around an ordinary loop."""
 
-from openprime.diloco.config import Compression, DiLoCoConfig, OuterLrSchedule, OuterOptimizer, RecoveryMode
+from openprime.diloco.config import (
+    Compression,
+    DiLoCoConfig,
+    OuterLrSchedule,
+    OuterOptimizer,
+    PseudoGradientDevice,
+    RecoveryMode,
+)
 from openprime.diloco.diloco import DiLoCo, OuterStepResult
 from openprime.diloco.outer import OuterState, outer_update_
 from openprime.diloco.recovery import ExtraState
@@ -14,6 +21,7 @@ __all__ = [
     "OuterOptimizer",
     "OuterState",
     "OuterStepResult",
+    "PseudoGradientDevice",
     "RecoveryMode",
     "outer_update_",
 ]

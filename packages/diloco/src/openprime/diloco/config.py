@@ -31,6 +31,17 @@ class Compression(enum.Enum):
     INT8 = "int8"  # INTELLECT-1's codebook quantizer (openprime.kernels): 4x fewer bytes
 
 
+class PseudoGradientDevice(enum.Enum):
+    """Where the pseudo-gradient is computed, encoded and summed during the outer step."""
+
+    AUTO = "auto"  # params with int8 compression and parameters on an accelerator, else host
+    HOST = "host"  # host memory, beside the offloaded outer state (paper, section 2.4); the codec runs on the CPU
+    # The parameters' device: theta is copied there, the codec runs there (Triton on CUDA) and only the payload
+    # (int8: one byte a parameter) crosses to the host; costs a fp32 buffer of the parameters' size there
+    # during the outer step, when the activations are gone.
+    PARAMS = "params"
+
+
 class RecoveryMode(enum.Enum):
     """How a joining node gets the state (INTELLECT-1 had both; openprime.diloco.recovery)."""
 
@@ -53,5 +64,8 @@ class DiLoCoConfig:
                                                validator=one_of_enum(OuterLrSchedule))
     compression: Compression = field(Compression.NONE, doc="pseudo-gradient encoding on the wire",
                                      validator=one_of_enum(Compression))
+    pseudo_gradient_device: PseudoGradientDevice = field(
+        PseudoGradientDevice.AUTO, doc="where the pseudo-gradient is computed and encoded: auto, host or params",
+        validator=one_of_enum(PseudoGradientDevice))
     recovery: RecoveryMode = field(RecoveryMode.BLOCKING, doc="how joiners get the state: blocking or non_blocking",
                                    validator=one_of_enum(RecoveryMode))

@@ -7,7 +7,8 @@ tries, each decided by the `Membership` (openprime.core.membership; static, or t
 1. `begin`: wait at the barrier; get this try's group. Members without the state (admitted now, or
    whose transfer broke) get it from a donor (openprime.diloco.recovery: blocking, or non-blocking
    after the commit) and take part with a zero pseudo-gradient (non-contributing).
-2. delta = theta_global - theta_local on the host (openprime.diloco.outer.OuterState).
+2. delta = theta_global - theta_local on the host (openprime.diloco.outer.OuterState), or, with int8 on an
+   accelerator, on the parameters' device, where the codec then runs (config.pseudo_gradient_device).
 3. the members agree how many of them contribute; a ring all-reduce sums the pseudo-gradients.
 4. `commit`: apply only if every member's all-reduce succeeded; otherwise every survivor tries again
    (the input is recomputed; nothing was applied). After the configured tries the membership skips
@@ -33,7 +34,7 @@ from openprime.core.membership import Membership, Round, StaticMembership
 from openprime.core.state_transfer import StateCorrupt
 from openprime.core.timeouts import Timeouts
 from openprime.core.transport import Transport
-from openprime.diloco.config import DiLoCoConfig, OuterLrSchedule, RecoveryMode
+from openprime.diloco.config import Compression, DiLoCoConfig, OuterLrSchedule, PseudoGradientDevice, RecoveryMode
 from openprime.diloco.outer import OuterState, outer_update_
 from openprime.diloco.recovery import ExtraState, Recovery
 
@@ -76,6 +77,7 @@ class DiLoCo:
         self.timeouts = timeouts
         self.codec = codec or Float32Codec()
         self.state = OuterState([p for p in params if p.requires_grad])
+        self._delta_device = _delta_device(config, self.state.device)
         self.num_inner_steps_done = 0
         self.num_outer_steps_done = 0
         # Reported at each barrier for the state after the previous outer step (-1: the initial weights),
@@ -190,7 +192,7 @@ class DiLoCo:
             if rnd.new_ranks:
                 self._transfer_state(rnd)
             contributing = contribute and self.has_state and t.rank not in rnd.new_ranks
-            delta = self.state.compute_pseudo_gradient()
+            delta = self.state.compute_pseudo_gradient(self._delta_device)
             if not contributing:
                 delta.zero_()
             flags = all_gather_object(t, contributing, deadline=self._deadline(t))
@@ -198,6 +200,8 @@ class DiLoCo:
             # No backup copy of delta: a failed try recomputes it from theta and the parameters.
             ring_all_reduce(t, delta, deadline=self._deadline(t), codec=self.codec, restore_on_failure=False,
                             buffers=self._ring_buffers)
+            if delta is not self.state.delta:
+                self.state.delta.copy_(delta)  # the sum, to the host, where the outer step runs
             return True, sum(bool(f) for f in flags), time.monotonic() - reduce_start  # delta holds the sum
         except (PeerFailure, StateCorrupt) as e:
             log.warning("outer step all-reduce failed on rank %d: %s", t.rank, e)
@@ -267,3 +271,13 @@ class DiLoCo:
                                state_hash=self._last_hash or "",
                                bytes_sent=sent, bytes_received=received, all_reduce_s=all_reduce_s,
                                total_s=time.monotonic() - start)
+
+
+def _delta_device(config: DiLoCoConfig, params_device: torch.device) -> torch.device | None:
+    """Where the outer step computes the pseudo-gradient: None for the host buffer, else a device."""
+    where = config.pseudo_gradient_device
+    if where is PseudoGradientDevice.AUTO:
+        on_accelerator = params_device.type != "cpu"
+        where = (PseudoGradientDevice.PARAMS if on_accelerator and config.compression is Compression.INT8
+                 else PseudoGradientDevice.HOST)
+    return params_device if where is PseudoGradientDevice.PARAMS else None

@@ -62,12 +62,27 @@ class OuterState:
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return list(torch.split(flat, [p.numel() for p in self.params]))
 
-    def compute_pseudo_gradient(self) -> torch.Tensor:
-        """delta = theta_global - theta_local, in fp32 on the host; returns the flat buffer."""
-        for view, p in zip(self._delta_views, self.params, strict=True):
-            view.copy_(p.detach().reshape(-1))
-        torch.sub(self.theta, self.delta, out=self.delta)
-        return self.delta
+    @property
+    def device(self) -> torch.device:
+        """The parameters' device (the host when there are none)."""
+        return self.params[0].device if self.params else torch.device("cpu")
+
+    def compute_pseudo_gradient(self, device: torch.device | None = None) -> torch.Tensor:
+        """delta = theta_global - theta_local in fp32; returns the flat buffer.
+
+        By default in the host buffer `self.delta` (the parameters are copied to the host). With `device`,
+        in a new buffer there: theta is copied over and the parameters never leave their device (the
+        values are the same: both subtract the parameters' exact fp32 values from theta's).
+        """
+        if device is None:
+            for view, p in zip(self._delta_views, self.params, strict=True):
+                view.copy_(p.detach().reshape(-1))
+            torch.sub(self.theta, self.delta, out=self.delta)
+            return self.delta
+        delta = torch.empty(self.numel, dtype=torch.float32, device=device).copy_(self.theta)
+        for view, p in zip(self._views(delta), self.params, strict=True):
+            view.sub_(p.detach().reshape(-1))
+        return delta
 
     def copy_to_params(self) -> None:
         """Write the global weights back into the model (cast to the parameters' dtype and device)."""
