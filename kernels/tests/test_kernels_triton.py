@@ -88,6 +88,35 @@ def test_triton_rejects_nan_and_inf(triton_results):
         assert "NaN/inf" in message and "learning rate" in message
 
 
+CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+LARGE = [("normal", 1 << 20), ("student_t", (1 << 22) + 17), ("cauchy", 3_000_001)]  # many programs a kernel
+
+
+@pytest.mark.skipif(not CUDA, reason="no CUDA device here: the compiled kernels run in tools/device_check.sh")
+@pytest.mark.parametrize(("kind", "n"), [c for c in CASES if c[1] > 0] + LARGE)  # empty: no kernel runs
+def test_triton_compiled_on_cuda_matches_the_torch_path(kind, n):
+    """The compiled kernels on the GPU, on the interpreter's cases and on sizes where many programs run at
+    once, against the CPU torch path (which equals the reference: test_kernels_quant.py). The statistics
+    are float64 partial sums added in another order, so the range may differ in its last bit: the codes
+    are compared given the same range, and the range within fp32 rounding."""
+    from openprime.kernels import torch_ops, triton_ops
+
+    x = make(kind, n)
+    params = torch_ops.params_of(x)
+    ours = triton_ops._range(x.cuda(), 6.0)
+    assert math.isclose(ours.lo, params.lo, rel_tol=1e-6, abs_tol=1e-30)
+    assert math.isclose(ours.scale, params.scale, rel_tol=1e-6)
+    codes, codebook = triton_ops._codes_and_codebook(x.cuda(), params)
+    codes_cpu, codebook_cpu = torch_ops.bucketize_and_codebook(x, params)
+    assert codes.is_cuda and torch.equal(codes.cpu(), codes_cpu.reshape(-1))
+    assert (codebook.cpu().view(torch.int32).long() - codebook_cpu.view(torch.int32).long()).abs().max() <= 1
+    acc = accumulator(n)
+    got = triton_ops.dequantize_add_(acc.cuda(), codes, codebook).cpu()
+    assert torch.equal(got, torch_ops.dequantize_add_(acc, codes.cpu(), codebook.cpu()))
+    assert torch.equal(triton_ops.dequantize_int8(codes, codebook).cpu(),
+                       torch_ops.dequantize_int8(codes.cpu(), codebook.cpu()))
+
+
 if __name__ == "__main__":
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
     run_kernels(sys.argv[1])
