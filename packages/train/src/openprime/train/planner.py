@@ -232,6 +232,9 @@ def gpu_memory(cfg: RunConfig) -> dict[str, float]:
         per_sequence = m.num_layers * seq_len * m.dim * act + block_activations + logits
     else:
         per_sequence = m.num_layers * block_activations + logits
+    # Not counted: the outer step's fp32 pseudo-gradient, which with int8 on a GPU (diloco.pseudo_gradient_device
+    # auto) lives there during the outer step: 4 bytes per parameter share, allocated after the inner steps'
+    # activations and gathered units are freed, which together with the gradients are larger.
     return {"weights_bytes": FP32 * p / gpus, "grads_bytes": FP32 * p / gpus, "optimizer_bytes": 2 * FP32 * p / gpus,
             "gathered_bytes": gathered, "activations_bytes": activation_batch(cfg) * per_sequence}
 
