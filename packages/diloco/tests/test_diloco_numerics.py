@@ -7,11 +7,11 @@ the arithmetic of the real DiLoCo class, all-reduce included, in a fraction of a
 import pytest
 import torch
 
+from openprime.core.codec import Codec, Float32Codec
 from openprime.core.errors import ReplicaDivergence
 from openprime.core.testing import local_group, run_threads
 from openprime.core.timeouts import Timeouts
 from openprime.diloco import (
-    Compression,
     DiLoCo,
     DiLoCoConfig,
     OuterLrSchedule,
@@ -217,17 +217,27 @@ def test_pseudo_gradient_on_the_parameters_device_gives_the_host_paths_bits():
     assert not torch.equal(host[0], theta0)
 
 
-@pytest.mark.parametrize(("where", "compression", "device", "expected"), [
-    (PseudoGradientDevice.AUTO, Compression.INT8, "cpu", None),
-    (PseudoGradientDevice.AUTO, Compression.INT8, "cuda", "cuda"),
-    (PseudoGradientDevice.AUTO, Compression.NONE, "cuda", None),  # fp32: the host path sends the same bytes
-    (PseudoGradientDevice.HOST, Compression.INT8, "cuda", None),
-    (PseudoGradientDevice.PARAMS, Compression.NONE, "cuda", "cuda"),
-    (PseudoGradientDevice.PARAMS, Compression.NONE, "cpu", "cpu"),
+class _Int8Like(Codec):
+    """Stands for openprime.kernels' Int8Codec: the auto rule asks only whether a codec is fp32."""
+
+    name = "int8"
+
+    def payload_like(self, numel):
+        raise NotImplementedError
+
+    encode = decode_add_ = decode_ = payload_like
+
+
+@pytest.mark.parametrize(("where", "codec", "device", "expected"), [
+    (PseudoGradientDevice.AUTO, _Int8Like, "cpu", None),
+    (PseudoGradientDevice.AUTO, _Int8Like, "cuda", "cuda"),
+    (PseudoGradientDevice.AUTO, Float32Codec, "cuda", None),  # fp32: the host path sends the same bytes
+    (PseudoGradientDevice.HOST, _Int8Like, "cuda", None),
+    (PseudoGradientDevice.PARAMS, Float32Codec, "cuda", "cuda"),
+    (PseudoGradientDevice.PARAMS, Float32Codec, "cpu", "cpu"),
 ])
-def test_where_the_pseudo_gradient_is_computed(where, compression, device, expected):
+def test_where_the_pseudo_gradient_is_computed(where, codec, device, expected):
     from openprime.diloco.diloco import _delta_device
 
-    config = DiLoCoConfig(pseudo_gradient_device=where, compression=compression)
-    got = _delta_device(config, torch.device(device))
+    got = _delta_device(where, torch.device(device), codec())
     assert (got.type if got is not None else None) == expected

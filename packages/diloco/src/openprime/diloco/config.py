@@ -34,7 +34,7 @@ class Compression(enum.Enum):
 class PseudoGradientDevice(enum.Enum):
     """Where the pseudo-gradient is computed, encoded and summed during the outer step."""
 
-    AUTO = "auto"  # params with int8 compression and parameters on an accelerator, else host
+    AUTO = "auto"  # params when the codec compresses (int8) and the parameters are on an accelerator, else host
     HOST = "host"  # host memory, beside the offloaded outer state (paper, section 2.4); the codec runs on the CPU
     # The parameters' device: theta is copied there, the codec runs there (Triton on CUDA) and only the payload
     # (int8: one byte a parameter) crosses to the host; costs a fp32 buffer of the parameters' size there

@@ -7,8 +7,9 @@ tries, each decided by the `Membership` (openprime.core.membership; static, or t
 1. `begin`: wait at the barrier; get this try's group. Members without the state (admitted now, or
    whose transfer broke) get it from a donor (openprime.diloco.recovery: blocking, or non-blocking
    after the commit) and take part with a zero pseudo-gradient (non-contributing).
-2. delta = theta_global - theta_local on the host (openprime.diloco.outer.OuterState), or, with int8 on an
-   accelerator, on the parameters' device, where the codec then runs (config.pseudo_gradient_device).
+2. delta = theta_global - theta_local on the host (openprime.diloco.outer.OuterState), or, with a compressing
+   codec (int8) on an accelerator, on the parameters' device, where the codec then runs
+   (config.pseudo_gradient_device).
 3. the members agree how many of them contribute; a ring all-reduce sums the pseudo-gradients.
 4. `commit`: apply only if every member's all-reduce succeeded; otherwise every survivor tries again
    (the input is recomputed; nothing was applied). After the configured tries the membership skips
@@ -34,7 +35,7 @@ from openprime.core.membership import Membership, Round, StaticMembership
 from openprime.core.state_transfer import StateCorrupt
 from openprime.core.timeouts import Timeouts
 from openprime.core.transport import Transport
-from openprime.diloco.config import Compression, DiLoCoConfig, OuterLrSchedule, PseudoGradientDevice, RecoveryMode
+from openprime.diloco.config import DiLoCoConfig, OuterLrSchedule, PseudoGradientDevice, RecoveryMode
 from openprime.diloco.outer import OuterState, outer_update_
 from openprime.diloco.recovery import ExtraState, Recovery
 
@@ -77,7 +78,7 @@ class DiLoCo:
         self.timeouts = timeouts
         self.codec = codec or Float32Codec()
         self.state = OuterState([p for p in params if p.requires_grad])
-        self._delta_device = _delta_device(config, self.state.device)
+        self._delta_device = _delta_device(config.pseudo_gradient_device, self.state.device, self.codec)
         self.num_inner_steps_done = 0
         self.num_outer_steps_done = 0
         # Reported at each barrier for the state after the previous outer step (-1: the initial weights),
@@ -273,11 +274,13 @@ class DiLoCo:
                                total_s=time.monotonic() - start)
 
 
-def _delta_device(config: DiLoCoConfig, params_device: torch.device) -> torch.device | None:
-    """Where the outer step computes the pseudo-gradient: None for the host buffer, else a device."""
-    where = config.pseudo_gradient_device
+def _delta_device(where: PseudoGradientDevice, params_device: torch.device, codec: Codec) -> torch.device | None:
+    """Where the outer step computes the pseudo-gradient: None for the host buffer, else a device.
+
+    auto: on the parameters' accelerator when the codec compresses (int8: the GPU quantizes, one byte a
+    parameter crosses to the host); fp32 gains nothing there, since all four bytes cross either way.
+    """
     if where is PseudoGradientDevice.AUTO:
-        on_accelerator = params_device.type != "cpu"
-        where = (PseudoGradientDevice.PARAMS if on_accelerator and config.compression is Compression.INT8
-                 else PseudoGradientDevice.HOST)
+        compresses = not isinstance(codec, Float32Codec)
+        where = PseudoGradientDevice.PARAMS if params_device.type != "cpu" and compresses else PseudoGradientDevice.HOST
     return params_device if where is PseudoGradientDevice.PARAMS else None
