@@ -73,7 +73,8 @@ def run_group(num_procs: int, body: Callable, *, factory: TransportFactory | Non
     # costs each child about 1.6 CPU-s here, which with spawn was half the time of the transport suites
     # (transports, core, fsdp, the int8 ring and kernels: 189 s with spawn, 91 s with this). Nothing in the
     # server has started threads or touched CUDA, so forking it is safe. Children take the server's
-    # environment, which it got at the first start below (OMP_NUM_THREADS=1).
+    # environment, which it got at the first start below (OMP_NUM_THREADS=1), and its stdout and stderr (under
+    # pytest, those of the test that started it): a child reports through `results`, never by printing.
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "openprime.core.testing"])
     results = ctx.Queue()
