@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# What only a machine with a CUDA GPU can check, as one short run (the device tool's H200; about 5 minutes
-# when warm; its steps are bounded at 540 s in all, inside the device's 600 s a call). CI has no GPU: there
+# What only a machine with a CUDA GPU can check, as one short run on the device tool's H200 (never run there yet;
+# its steps are bounded at 540 s in all, inside the device's 600 s a call). CI has no GPU: there
 # these tests are skipped. Run from anywhere, with the machine's own
 # python3 (torch and triton preinstalled, nothing downloadable), the packages taken from this checkout:
 #
