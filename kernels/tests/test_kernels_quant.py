@@ -216,10 +216,8 @@ class TestInt8CodecStaged(CodecConformance):
     max_relative_error = 0.015
 
 
-class TestInt8CodecStagedCuda(CodecConformance):
+class TestInt8CodecStagedCuda(TestInt8CodecStaged):
     # What ring_all_reduce runs for a pseudo-gradient on the GPU: Triton there, codes through the host.
-    make_codec = staticmethod(lambda: DeviceStagingCodec(Int8Codec()))
-    max_relative_error = 0.015
     device = "cuda"
 
 

@@ -18,9 +18,7 @@ class TestFloat32CodecStaged(CodecConformance):
     max_relative_error = 0.0
 
 
-class TestFloat32CodecStagedCuda(CodecConformance):
-    make_codec = staticmethod(lambda: DeviceStagingCodec(Float32Codec()))
-    max_relative_error = 0.0
+class TestFloat32CodecStagedCuda(TestFloat32CodecStaged):
     device = "cuda"
 
 
