@@ -2,10 +2,11 @@
 thread's stack to their output, so a rare hang leaves the place it waited on record."""
 
 import multiprocessing as mp
+import os
 import pathlib
 import threading
 
-from openprime.train.launcher import Launcher, install_stack_dump, output_to
+from openprime.train.launcher import Launcher, NodeProcess, install_stack_dump, output_to
 from openprime.train.recipe import recipe_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
@@ -34,3 +35,24 @@ def test_wait_prints_the_stacks_of_nodes_still_running(tmp_path):
         launcher.stop()
     text = log.read_text()
     assert "most recent call first" in text and "_stuck_in_a_wait" in text, text
+
+
+def test_node_processes_write_where_the_launcher_writes_now_and_see_its_environment(tmp_path, monkeypatch):
+    """Node processes fork from a server started earlier; what they print and the environment they see must still be
+    the launching process's at start(), as with "spawn": tools/chaos.py and the experiments send the nodes' output
+    to a log with `output_to`, and a variable set before a launch (OPENPRIME_INT8_NATIVE, ...) must reach them."""
+    monkeypatch.setenv("OPENPRIME_TEST_REMOVED", "in-the-server-if-this-test-started-it")
+    warm = NodeProcess(target=os.getpid)  # the fork server runs from here on, with the environment of now
+    warm.start()
+    warm.join(60)
+    assert warm.exitcode == 0
+    monkeypatch.setenv("OPENPRIME_TEST_INHERITED", "set-after-the-server-started")
+    monkeypatch.delenv("OPENPRIME_TEST_REMOVED")
+    log = tmp_path / "node.log"
+    with output_to(log):
+        proc = NodeProcess(target=os.system, args=(
+            'echo "out $OPENPRIME_TEST_INHERITED ${OPENPRIME_TEST_REMOVED:-unset}"; echo err >&2',))
+        proc.start()
+    proc.join(60)
+    assert proc.exitcode == 0
+    assert log.read_text().splitlines() == ["out set-after-the-server-started unset", "err"]
