@@ -143,12 +143,18 @@ def test_node_started_mid_run_is_admitted_at_the_next_outer_step(tmp_path, mode)
         assert admitted["outer_step"] == joined[0]["outer_step"] - 1
 
 
+# For the transfers over a slow link: every outer step's all-reduce crosses it too (int8: about 0.8 s for 3 nodes),
+# so H = 10 halves their number; 12 outer steps leave room for a joiner started after the third.
+SLOW_LINK_RUN = ("diloco.num_inner_steps=10", "schedule.num_warmup_steps=20", "schedule.num_decay_steps=40",
+                 "train.num_steps=120")
+
+
 def test_donor_killed_mid_transfer_the_joiner_finishes_from_another(tmp_path):
     # 25 Mbit/s links make the ~29 MB transfer (weights, outer momentum, AdamW state) last about 10 s;
     # int8 keeps the all-reduces short. The donor is the first old member of the view that admits node 3.
     launcher = _start(tmp_path, 3, "transport.kind=tcp", "transport.options.shaping.rate_bps=2.5e7",
                       "transport.options.num_connections=1", "diloco.compression=int8", "checkpoint.mode=off",
-                      steps=LONG)
+                      steps=SLOW_LINK_RUN)
     wait_for(launcher.run_dir, outer_done(0, 3))
     joiner = len(launcher.procs)
     launcher.start_node()
@@ -172,7 +178,7 @@ def test_joiner_killed_mid_transfer_the_donor_is_unaffected(tmp_path):
     # 25 Mbit/s, about 10 s) from a background thread while everyone trains; node 3 is killed during it.
     launcher = _start(tmp_path, 3, "transport.kind=tcp", "transport.options.shaping.rate_bps=2.5e7",
                       "transport.options.num_connections=1", "diloco.compression=int8", "checkpoint.mode=off",
-                      "diloco.recovery=non_blocking", steps=LONG)
+                      "diloco.recovery=non_blocking", steps=SLOW_LINK_RUN)
     wait_for(launcher.run_dir, outer_done(0, 3))
     launcher.start_node()  # node 3
     def with_joiner(rs):
