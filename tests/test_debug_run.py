@@ -81,8 +81,10 @@ secret_file = "{secret}"
 """)
     run_dir = tmp_path / "run"
     # 30 steps, the schedule shrunk to fit: 3 outer steps are enough to see the authenticated, shaped links work.
+    # Sequences of 32 tokens: the links carry the same model whatever the batch, and the compute is what took time.
     _run(run_dir, "--nodes", "3", "--network", str(site), "--set", "diloco.num_inner_steps=10",
-         "--set", "schedule.num_warmup_steps=10", "--set", "schedule.num_decay_steps=10", "--set", "train.num_steps=30")
+         "--set", "schedule.num_warmup_steps=10", "--set", "schedule.num_decay_steps=10", "--set", "train.num_steps=30",
+         "--set", "train.seq_len=32")
     summary = summarize(run_dir)
     assert summary.num_nodes == 3 and summary.num_outer_steps == 3 and summary.hashes_agree
     resolved = json.loads((run_dir / "config.json").read_text())["config"]
