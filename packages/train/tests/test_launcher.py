@@ -4,6 +4,8 @@ thread's stack to their output, so a rare hang leaves the place it waited on rec
 import multiprocessing as mp
 import os
 import pathlib
+import subprocess
+import sys
 import threading
 
 from openprime.train.launcher import Launcher, NodeProcess, install_stack_dump, output_to
@@ -56,3 +58,17 @@ def test_node_processes_write_where_the_launcher_writes_now_and_see_its_environm
     proc.join(60)
     assert proc.exitcode == 0
     assert log.read_text().splitlines() == ["out set-after-the-server-started unset", "err"]
+
+
+def test_the_fork_servers_preload_does_not_touch_cuda():
+    """Node processes fork from a server that imported openprime.train.launcher: had any of its imports asked CUDA for
+    its devices, every node on a GPU machine would fail ("Cannot re-initialize CUDA in forked subprocess")."""
+    probe = (
+        "import torch\n"
+        "asked = []\n"
+        "for name in ('is_available', 'device_count', '_lazy_init', 'init', 'get_device_properties'):\n"
+        "    setattr(torch.cuda, name, lambda *a, _n=name, **k: asked.append(_n))\n"
+        "import openprime.train.launcher\n"
+        "print(asked)\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
