@@ -3,7 +3,7 @@
 import sys
 import threading
 
-from openprime.core.testing import _Hub
+from openprime.core.harness import _Hub
 
 
 def test_threads_racing_on_a_new_key_share_one_queue():

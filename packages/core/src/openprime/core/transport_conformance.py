@@ -1,0 +1,416 @@
+"""The conformance suite every Transport implementation runs (`TransportConformance`).
+
+Subclass it in a test module as `class TestMyTransport(TransportConformance)` with
+`factory = functools.partial(...)`: messages of every size and dtype intact and in order, deadlines, a peer
+killed mid-transfer, byte counters, `close()`, the ring all-reduce against Gloo's, and where the transport
+has them, shaping, authentication and reconnection. The bodies run in real processes (`run_group`), so
+they are top-level functions. Tests import it from `openprime.core.testing`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import pytest
+import torch
+
+from openprime.core.auth import AuthConfig
+from openprime.core.collectives import all_gather_object, ring_all_reduce
+from openprime.core.distributed import connect_store, gloo_group
+from openprime.core.errors import PeerFailure
+from openprime.core.harness import KILLED, GroupContext, run_group
+from openprime.core.shaping import LinkShaping
+from openprime.core.transport import Rendezvous, Transport, TransportFactory
+
+# ---------------------------------------------------------------- deterministic payloads
+
+
+def pattern(nbytes: int, seed: int) -> torch.Tensor:
+    """`nbytes` pseudo-random bytes that both ends of a test can regenerate."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+
+
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+          torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64)
+
+
+def dtype_message(seed: int) -> list[torch.Tensor]:
+    """One tensor of every dtype, of assorted shapes (0-d, empty, 2-d)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, dtype in enumerate(DTYPES):
+        shape = [(), (0,), (3, 5), (1000,)][i % 4]
+        raw = torch.randn(shape, generator=g, dtype=torch.float64) * 100
+        out.append(raw.to(dtype) if not dtype.is_complex else torch.complex(raw, -raw).to(dtype))
+    return out
+
+
+# ---------------------------------------------------------------- bodies run inside the group
+
+TAG_A, TAG_B = 11, 12
+
+
+def _body_sizes(transport, ctx: GroupContext, sizes: Sequence[int]) -> dict:
+    deadline = time.monotonic() + 120
+    framed = sum(transport.frame_bytes(TAG_A, [n]) for n in sizes)
+    intact = []
+    for i, n in enumerate(sizes):
+        if ctx.rank == 0:
+            transport.send(1, TAG_A, [pattern(n, seed=i)], deadline=deadline)
+        else:
+            buf = torch.empty(n, dtype=torch.uint8)
+            transport.recv(0, TAG_A, [buf], deadline=deadline)
+            intact.append(torch.equal(buf, pattern(n, seed=i)))
+    return {"intact": intact, "sent": transport.bytes_sent, "received": transport.bytes_received,
+            "framed": framed}
+
+
+def _body_dtypes(transport, ctx: GroupContext) -> bool:
+    deadline = time.monotonic() + 60
+    expected = dtype_message(seed=7)
+    if ctx.rank == 0:
+        transport.send(1, TAG_A, expected, deadline=deadline)
+        return True
+    got = [torch.empty_like(t) for t in expected]
+    transport.recv(0, TAG_A, got, deadline=deadline)
+    return all(g.dtype == e.dtype and torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+
+
+def _body_order(transport, ctx: GroupContext, num_messages: int) -> list[list[int]]:
+    deadline = time.monotonic() + 60
+    if ctx.rank == 0:
+        handles = [transport.isend(1, (TAG_A, TAG_B)[k % 2], [torch.tensor([k])], deadline=deadline)
+                   for k in range(num_messages)]
+        for h in handles:
+            h.wait()
+        return []
+    received = []
+    for tag in (TAG_B, TAG_A):  # the reverse of the order they were sent in
+        seq = []
+        for _ in range(num_messages // 2):
+            buf = torch.empty(1, dtype=torch.int64)
+            transport.recv(0, tag, [buf], deadline=deadline)
+            seq.append(int(buf.item()))
+        received.append(seq)
+    return received
+
+
+def _body_add(transport, ctx: GroupContext, numels: Sequence[int]) -> list[bool]:
+    """irecv_add of messages of each size, each twice: posted before the message arrives (the receiver says
+    when it is ready), and posted after (the sender says when it sent; the receiver waits a little longer)."""
+    deadline = time.monotonic() + 60
+    go = torch.zeros(1)
+    exact = []
+    for i, numel in enumerate(numels):
+        message = torch.randn(numel, generator=torch.Generator().manual_seed(i))
+        for posted_first in (True, False):
+            if ctx.rank == 0:
+                if posted_first:
+                    transport.recv(1, TAG_B, [go], deadline=deadline)
+                sending = transport.isend(1, TAG_A, [message], deadline=deadline)
+                if not posted_first:  # (Gloo completes a send only once the receive is posted)
+                    transport.send(1, TAG_B, [go], deadline=deadline)
+                sending.wait()
+                continue
+            acc = torch.randn(numel, generator=torch.Generator().manual_seed(100 + i))
+            expected = acc + message
+            scratch = torch.full((numel,), float("nan"))  # what the transport leaves in it does not matter
+            if not posted_first:
+                transport.recv(0, TAG_B, [go], deadline=deadline)
+                time.sleep(0.2)
+            adding = transport.irecv_add(0, TAG_A, acc, scratch=scratch, deadline=deadline)
+            if posted_first:
+                transport.send(0, TAG_B, [go], deadline=deadline)
+            adding.wait()
+            exact.append(torch.equal(acc, expected))
+    return exact
+
+
+def _body_hang(transport, ctx: GroupContext, deadline_s: float) -> float | None:
+    if ctx.rank == 1:
+        time.sleep(deadline_s + 3)  # alive but silent: a frozen peer
+        return None
+    start = time.monotonic()
+    try:
+        transport.recv(1, TAG_A, [torch.empty(16, dtype=torch.uint8)], deadline=start + deadline_s)
+    except PeerFailure as e:
+        assert e.peers == (1,), e.peers
+        return time.monotonic() - start
+    raise AssertionError("recv from a silent peer returned")
+
+
+def _body_killed(transport, ctx: GroupContext, nbytes: int) -> float | None:
+    if ctx.rank == 1:
+        # Die by SIGKILL while a large message is on its way: no clean-up, no goodbye.
+        threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        data = pattern(nbytes, seed=1)
+        while True:
+            transport.send(0, TAG_A, [data], deadline=time.monotonic() + 60)
+    start = time.monotonic()
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    try:
+        while True:
+            transport.recv(1, TAG_A, [buf], deadline=time.monotonic() + 60)
+    except PeerFailure as e:
+        assert e.peers == (1,), e.peers
+        return time.monotonic() - start
+
+
+def _body_close(transport, ctx: GroupContext) -> bool:
+    transport.close()
+    transport.close()
+    try:
+        transport.send(1 - ctx.rank, TAG_A, [torch.zeros(1)], deadline=time.monotonic() + 5)
+    except PeerFailure:
+        return True
+    return False
+
+
+def _all_reduce_input(rank: int, numel: int, integer_valued: bool) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + rank)
+    if integer_valued:  # sums of small integers are exact in fp32 in any order
+        return torch.randint(-1000, 1000, (numel,), generator=g).float()
+    return torch.randn(numel, generator=g)
+
+
+def _body_all_reduce(transport, ctx: GroupContext, numels: Sequence[int],
+                     segment_numel: int) -> list[tuple[bool, float]]:
+    deadline = time.monotonic() + 120
+    native = gloo_group(connect_store(ctx.rendezvous, 60, suffix="/native"), ctx.rank, ctx.world_size,
+                        timeout_s=60)
+    out = []
+    for numel in numels:
+        for integer_valued in (True, False):
+            mine = _all_reduce_input(ctx.rank, numel, integer_valued)
+            reference = mine.clone()
+            native.allreduce([reference]).wait()
+            ring_all_reduce(transport, mine, deadline=deadline, segment_numel=segment_numel)
+            exact = torch.equal(mine, reference)
+            out.append((exact if integer_valued else True, float((mine - reference).abs().max()) if numel else 0.0))
+    return out
+
+
+def _body_all_gather(transport, ctx: GroupContext) -> list:
+    return all_gather_object(transport, {"rank": ctx.rank, "blob": b"x" * ctx.rank * 1000},
+                             deadline=time.monotonic() + 60)
+
+
+def _body_shaped(transport, ctx: GroupContext, sizes: Sequence[int], reps: int = 3) -> list[float]:
+    """Rank 1 asks for each message with a tiny request and times its arrival; returns seconds per size.
+
+    The round trip of a tiny request and reply, measured first on the same link, is subtracted: it is
+    the fixed cost of asking (thread wake-ups, a few headers), not time the link spent on the payload.
+    Each size is timed `reps` times and the fastest kept: a busy machine only ever adds time.
+    """
+    deadline = time.monotonic() + 120
+    go = torch.zeros(1, dtype=torch.uint8)
+    overhead = min(_body_ping(transport, ctx, 5) or [0.0])
+    elapsed = []
+    for i, n in enumerate(sizes):
+        data = pattern(n, seed=i) if ctx.rank == 0 else torch.empty(n, dtype=torch.uint8)
+        best = float("inf")
+        for _ in range(reps):
+            if ctx.rank == 0:
+                transport.recv(1, TAG_B, [go], deadline=deadline)
+                transport.send(1, TAG_A, [data], deadline=deadline)
+                continue
+            receiving = transport.irecv(0, TAG_A, [data], deadline=deadline)
+            start = time.monotonic()
+            transport.send(0, TAG_B, [go], deadline=deadline)
+            receiving.wait()
+            best = min(best, time.monotonic() - start - overhead)
+            assert torch.equal(data, pattern(n, seed=i))
+        elapsed.append(best)
+    return elapsed
+
+
+def _body_ping(transport, ctx: GroupContext, num_pings: int) -> list[float]:
+    """Round trips of a tiny message, timed on the side that asks (rank 1)."""
+    deadline = time.monotonic() + 60
+    buf = torch.zeros(8, dtype=torch.uint8)
+    rtts = []
+    for _ in range(num_pings):
+        if ctx.rank == 1:
+            start = time.monotonic()
+            transport.send(0, TAG_A, [buf], deadline=deadline)
+            transport.recv(0, TAG_B, [buf], deadline=deadline)
+            rtts.append(time.monotonic() - start)
+        else:
+            transport.recv(1, TAG_A, [buf], deadline=deadline)
+            transport.send(1, TAG_B, [buf], deadline=deadline)
+    return rtts
+
+
+def _body_refused(transport, ctx: GroupContext) -> dict:
+    """Peers that must not trust each other: every operation fails; the refusals are logged."""
+    outcome = {}
+    try:
+        transport.send(1 - ctx.rank, TAG_A, [torch.zeros(4)], deadline=time.monotonic() + 5)
+        outcome["send"] = "delivered"
+    except PeerFailure as e:
+        outcome["send"] = e.reason
+    time.sleep(1.0)  # let the other side's handshake attempts reach this side and be refused
+    outcome["refusals"] = [reason for _addr, reason in getattr(transport, "refusals", [])]
+    return outcome
+
+
+def _body_restart(transport, ctx: GroupContext, factory: TransportFactory) -> list[int]:
+    """Rank 1 closes its transport and comes back as a new one; rank 0 goes on sending to it."""
+    deadline = time.monotonic() + 60
+    if ctx.rank == 0:
+        transport.send(1, TAG_A, [torch.tensor([1])], deadline=deadline)
+        ready = torch.zeros(1, dtype=torch.int64)
+        while True:  # receives fail while rank 1 is gone; the first one after it is back succeeds
+            try:
+                transport.recv(1, TAG_B, [ready], deadline=deadline)  # from rank 1's new incarnation
+                break
+            except PeerFailure:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        transport.send(1, TAG_A, [torch.tensor([2])], deadline=deadline)
+        return [int(ready.item())]
+    got = []
+    buf = torch.zeros(1, dtype=torch.int64)
+    transport.recv(0, TAG_A, [buf], deadline=deadline)
+    got.append(int(buf.item()))
+    transport.close()
+    reborn = factory(ctx.rendezvous, 1, 2)
+    try:
+        reborn.send(0, TAG_B, [torch.tensor([7])], deadline=deadline)
+        reborn.recv(0, TAG_A, [buf], deadline=deadline)
+        got.append(int(buf.item()))
+    finally:
+        reborn.close()
+    return got
+
+
+def per_rank_factory(rendezvous: Rendezvous, rank: int, world_size: int, *,
+                     factories: Sequence[TransportFactory]) -> Transport:
+    """A factory that builds each rank's transport with its own factory (e.g. different secrets)."""
+    return factories[rank](rendezvous, rank, world_size)
+
+
+# ---------------------------------------------------------------- the suite
+
+
+class TransportConformance:
+    """The conformance suite. Subclass with `factory = functools.partial(top_level_fn, ...)`.
+
+    Transports that shape links, authenticate, or survive a peer's restart also set
+    `shaped_factory(LinkShaping) -> factory`, `secured_factory(AuthConfig) -> factory` and
+    `supports_restart = True`; the tests of a capability a transport lacks are skipped, not passed.
+    """
+
+    factory: TransportFactory
+    shaped_factory: Callable[[LinkShaping], TransportFactory] | None = None
+    secured_factory: Callable[[AuthConfig], TransportFactory] | None = None
+    supports_restart: bool = False
+    sizes: tuple[int, ...] = (0, 1, 7, 4096, (1 << 20) + 3, 64 << 20, 256 << 20)
+    hang_deadline_s: float = 2.0
+    hang_slack_s: float = 1.5
+
+    def test_messages_of_every_size_arrive_intact(self):
+        sender, receiver = run_group(2, _body_sizes, factory=self.factory, args=(self.sizes,), timeout_s=180)
+        assert receiver["intact"] == [True] * len(self.sizes)
+        # Counters equal the bytes framed, on both ends.
+        assert sender["sent"] == sender["framed"] == receiver["received"]
+        assert sender["sent"] >= sum(self.sizes)
+
+    def test_every_dtype_arrives_intact(self):
+        assert run_group(2, _body_dtypes, factory=self.factory) == [True, True]
+
+    def test_messages_are_ordered_per_tag(self):
+        _, received = run_group(2, _body_order, factory=self.factory, args=(16,))
+        assert received == [list(range(1, 16, 2)), list(range(0, 16, 2))]
+
+    def test_irecv_add_adds_the_message_into_the_accumulator(self):
+        # Bit-identical to acc + message whether the message arrives before or after the receive is posted; 3 MiB
+        # and more travel as several chunks (over several connections where the transport stripes).
+        numels = (0, 1, 10_007, (3 << 18) + 5)
+        _, exact = run_group(2, _body_add, factory=self.factory, args=(numels,), timeout_s=90)
+        assert exact == [True] * 2 * len(numels), exact
+
+    def test_silent_peer_raises_within_deadline(self):
+        elapsed, _ = run_group(2, _body_hang, factory=self.factory, args=(self.hang_deadline_s,), timeout_s=60)
+        assert self.hang_deadline_s - 0.05 <= elapsed <= self.hang_deadline_s + self.hang_slack_s, elapsed
+
+    def test_peer_killed_mid_transfer_raises(self):
+        elapsed, killed = run_group(2, _body_killed, factory=self.factory, args=(64 << 20,),
+                                    expect_killed=(1,), timeout_s=90)
+        assert killed == KILLED
+        assert elapsed < 30, f"PeerFailure came only after {elapsed:.1f}s"
+
+    def test_close_is_idempotent(self):
+        assert run_group(2, _body_close, factory=self.factory) == [True, True]
+
+    def test_ring_all_reduce_equals_gloo_all_reduce(self):
+        numels = (1, 5, 10_007, (1 << 18) + 3)
+        for world_size in (2, 3, 4):
+            # Segments of 4099 elements: the larger tensors travel as many pipelined messages per chunk.
+            per_rank = run_group(world_size, _body_all_reduce, factory=self.factory, args=(numels, 4099),
+                                 timeout_s=120)
+            for result in per_rank:
+                assert all(exact for exact, _ in result), (world_size, result)
+                assert max(diff for _, diff in result) < 1e-4, (world_size, result)
+
+    def test_all_gather_object(self):
+        per_rank = run_group(3, _body_all_gather, factory=self.factory)
+        expected = [{"rank": r, "blob": b"x" * r * 1000} for r in range(3)]
+        assert per_rank == [expected] * 3
+
+    def test_shaped_rate_is_accurate(self):
+        if self.shaped_factory is None:
+            pytest.skip("this transport has no WAN shaping")
+        rate_bps = 100e6  # 100 Mbit/s: 1 MiB takes 84 ms
+        sizes = (1 << 20, 4 << 20, 16 << 20)
+        factory = self.shaped_factory(LinkShaping(rate_bps=rate_bps))
+        _, elapsed = run_group(2, _body_shaped, factory=factory, args=(sizes,), timeout_s=120)
+        for n, seconds in zip(sizes, elapsed, strict=True):
+            ideal = n * 8 / rate_bps
+            assert abs(seconds - ideal) <= 0.10 * ideal, f"{n} bytes took {seconds:.3f}s, shaped ideal {ideal:.3f}s"
+
+    def test_shaped_latency_is_added_each_way(self):
+        if self.shaped_factory is None:
+            pytest.skip("this transport has no WAN shaping")
+        factory = self.shaped_factory(LinkShaping(latency_s=0.05))
+        _, rtts = run_group(2, _body_ping, factory=factory, args=(5,), timeout_s=60)
+        assert 0.1 <= sorted(rtts)[2] <= 0.12, rtts  # median round trip: 2 x 50 ms one way
+
+    def test_wrong_secret_and_other_run_are_refused(self, tmp_path):
+        if self.secured_factory is None:
+            pytest.skip("this transport has no authentication")
+        secret_a, secret_b = tmp_path / "a.secret", tmp_path / "b.secret"
+        secret_a.write_text("a" * 32)
+        secret_b.write_text("b" * 32)
+        cases = {
+            "wrong secret": (AuthConfig(secret_file=str(secret_a)), AuthConfig(secret_file=str(secret_b))),
+            "no secret": (AuthConfig(secret_file=str(secret_a)), AuthConfig()),
+            "other run": (AuthConfig(run_id="run-1"), AuthConfig(run_id="run-2")),
+        }
+        for case, (first, second) in cases.items():
+            factory = functools.partial(per_rank_factory, factories=(self.secured_factory(first),
+                                                                     self.secured_factory(second)))
+            outcomes = run_group(2, _body_refused, factory=factory, timeout_s=60)
+            assert all(o["send"] != "delivered" for o in outcomes), (case, outcomes)
+            assert any(o["refusals"] for o in outcomes), (case, outcomes)
+
+    def test_same_secret_is_accepted(self, tmp_path):
+        if self.secured_factory is None:
+            pytest.skip("this transport has no authentication")
+        secret = tmp_path / "run.secret"
+        secret.write_text("s" * 32)
+        factory = self.secured_factory(AuthConfig(run_id="r", secret_file=str(secret)))
+        assert run_group(2, _body_dtypes, factory=factory) == [True, True]
+
+    def test_peer_restart_reconnects(self):
+        if not self.supports_restart:
+            pytest.skip("this transport's groups are rebuilt, not reconnected, when a peer restarts")
+        first, second = run_group(2, _body_restart, factory=self.factory, args=(self.factory,), timeout_s=60)
+        assert first == [7] and second == [1, 2]
