@@ -46,6 +46,7 @@ from openprime.core.transport import Handle, Rendezvous, Transport, as_bytes, ch
 from openprime.transports.zmq.allocator import keep_freed_memory
 from openprime.transports.zmq.receiver import Receiver
 from openprime.transports.zmq.wire import BYE, CONTROL_MAX_BYTES, configure, endpoint, parse_control
+from openprime.transports.zmq.zerocopy import ready_zero_copy
 
 log = logging.getLogger("openprime.transports.zmq")
 ZmqTransportConfig = StreamTransportConfig
@@ -100,6 +101,7 @@ class ZmqTransport(MailboxReceives, Transport):
         self._out = {p: _OutLink(LinkShaper(config.shaping)) for p in range(world_size) if p != rank}
         self._store = connect_store(rendezvous, config.connect_timeout_s, suffix="/zmq")
         keep_freed_memory()  # libzmq's receive buffers would otherwise come back as fresh pages (allocator.py)
+        ready_zero_copy()  # before any writer thread: pyzmq's lazy set-up of tracked sends races (zerocopy.py)
         # One I/O thread: the receiver's reasoning about connection ends relies on one thread emitting a
         # connection's accept event and pushing its messages (receiver.py); it moves several GB/s.
         self._ctx = zmq.Context(io_threads=1)
