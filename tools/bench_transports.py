@@ -555,6 +555,8 @@ INT8_NOTE = (
 
 def section_shaped(opts, names: tuple[str, ...], targets: list[str]) -> str:
     shaped = tuple(n for n in names if n != "gloo")
+    if not shaped or opts.rate_bps <= 0:  # gloo cannot shape; --rate-gbps 0 asks for no shaped rows
+        return ""
     shaping = LinkShaping(rate_bps=opts.rate_bps)
     factories = transport_factories(shaped, shaping)
     available = {k: v for k, v in factories.items() if not isinstance(v, str)}
@@ -621,13 +623,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--transports", default=",".join(TRANSPORTS),
                         help=f"comma-separated subset of {','.join(TRANSPORTS)}")
     parser.add_argument("--world-sizes", default="2,4", help="group sizes of the all-reduce tables")
-    parser.add_argument("--rate-gbps", type=float, default=1.0, help="shaped link rate in Gbit/s")
+    parser.add_argument("--rate-gbps", type=float, default=1.0, help="shaped link rate in Gbit/s (0: skip the shaped "
+                        "section, as in tools/bench_ckpt.py)")
     parser.add_argument("--op-timeout", type=float, default=120.0, help="deadline of one timed operation (s)")
     parser.add_argument("--group-timeout", type=float, default=900.0, help="bound on one group of processes (s)")
     opts = parser.parse_args(argv)
     opts.reps = opts.reps or (3 if opts.quick else 5)
     if opts.reps < 1:
         parser.error("--reps must be at least 1")
+    if opts.rate_gbps < 0:
+        parser.error("--rate-gbps must be >= 0 (0 skips the shaped section)")
     names = tuple(n for n in opts.transports.split(",") if n)
     unknown = set(names) - set(TRANSPORTS)
     if unknown:
@@ -666,7 +671,7 @@ def write_report(tool: str, argv: list[str] | None, started: float, sections: li
         f"Command: `{command.strip()}`; {datetime.date.today().isoformat()}; {platform.node()}, "
         f"{_cpu_count()} cores, torch {torch.__version__}, {setting}; {time.monotonic() - started:.0f}s in all. "
         "Cells: median (min-max) over reps; ratios: median of per-rep ratios.",
-        *sections,
+        *(s for s in sections if s),
         "### Targets\n\n" + "\n".join(targets),
     ]) + "\n"
     print(report)
