@@ -135,9 +135,9 @@ class NodeProcess(mp.context.ForkServerProcess):
     before a 4-node run's first step, and again for every node that joins later (measured on 2 cores, a run of 20
     short steps: 2 nodes 10.8 s with spawn, 8.9 s with this; 4 nodes 17.7 s, 11.9 s). The server is a fresh
     interpreter that has started no thread and touched no CUDA device (nothing openprime.train imports asks CUDA
-    anything: tested), so forking it is safe. Its children would write to the
-    server's stdout and stderr and see its environment, as they were when it started; a NodeProcess takes the
-    launching process's as they are at `start()` instead, as with "spawn" (`output_to` depends on it).
+    anything: tested), so forking it is safe. Its children would write to the server's stdout and stderr and see
+    its environment, as they were when it started; a NodeProcess takes the launching process's as they are at
+    `start()` instead, as with "spawn" (`output_to` depends on it).
     """
 
     def start(self) -> None:
@@ -189,7 +189,7 @@ class Launcher:
         self._watchdog = threading.Thread(target=self._watch, name="openprime-node-watchdog", daemon=True)
         self._watchdog.start()
 
-    def start_node(self) -> mp.Process:
+    def start_node(self) -> mp.process.BaseProcess:
         """Start one more node; once the run is under way, it waits for the next outer step and gets the state."""
         node = len(self.procs)
         resume = self.resume if node < self._num_resumed else None
@@ -201,8 +201,8 @@ class Launcher:
         for local_rank in range(self.cfg.fsdp.num_local_ranks):
             name = f"node-{node}" + (f"-rank-{local_rank}" if rendezvous else "")
             proc = NodeProcess(target=node_main, name=name,
-                                     args=(self.cfg, node, self.coordinator, self.run_dir, self.num_threads, resume,
-                                           local_rank, rendezvous))
+                               args=(self.cfg, node, self.coordinator, self.run_dir, self.num_threads, resume,
+                                     local_rank, rendezvous))
             proc.start()
             procs.append(proc)
         self.procs[node], self.local_procs[node] = procs[0], procs
@@ -241,7 +241,7 @@ class Launcher:
             self.dump_stacks()
         return {n: p.exitcode for n, p in self.procs.items()}
 
-    def _alive(self) -> list[mp.Process]:
+    def _alive(self) -> list[mp.process.BaseProcess]:
         return [p for procs in self.local_procs.values() for p in procs if p.is_alive()]
 
     def dump_stacks(self, settle_s: float = 1.0) -> list[str]:
