@@ -37,7 +37,7 @@ from openprime.train.testing import ELASTIC_FAST, outer_done, outer_records, run
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RANKS = 2
-# tests/test_elastic.py's settings and run lengths (openprime.train.testing), two processes per node.
+# tests/test_elastic.py's settings (openprime.train.testing), two processes per node.
 FAST = [*ELASTIC_FAST, f"fsdp.num_local_ranks={RANKS}"]
 # Shorter runs than tests/test_elastic.py's: with 6 processes on 2 cores and the node's local all-gathers, a step
 # takes about 0.3 s here against 0.06 s there, so fewer steps leave the same time for each fault to play out.
