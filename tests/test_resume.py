@@ -5,8 +5,10 @@ The baseline runs 60 inner steps uninterrupted; the stopped run ends itself afte
 with exactly the baseline's global-state hashes after every outer step and exactly its losses.
 """
 
+import contextlib
 import pathlib
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -19,8 +21,9 @@ from openprime.train.model import Llama
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Sequences of 32 tokens, not 128: bit-identity does not need the compute (it made up most of these tests' time).
-SHORT = ("--nodes", "2", "--set", "train.num_steps=60", "--set", "diloco.num_inner_steps=10",
-         "--set", "checkpoint.interval_steps=10", "--set", "train.seq_len=32")
+RUN = ("--set", "train.num_steps=60", "--set", "diloco.num_inner_steps=10", "--set", "checkpoint.interval_steps=10",
+       "--set", "train.seq_len=32")
+SHORT = ("--nodes", "2", *RUN)
 
 
 def _openprime(*args: str, expect: int = 0) -> subprocess.CompletedProcess:
@@ -47,7 +50,7 @@ def stopped(tmp_path_factory) -> pathlib.Path:
     run_dir = tmp_path_factory.mktemp("stopped") / "run"
     proc = _run(run_dir, "--set", "train.stop_after_outer_steps=3")
     assert "stopping after outer step 3" in proc.stdout
-    assert f"continue with `openprime run RECIPE --run-dir {run_dir} --resume latest`" in proc.stdout
+    assert f"continue with `openprime run RECIPE --nodes 2 --run-dir {run_dir} --resume latest`" in proc.stdout
     return run_dir
 
 
@@ -113,3 +116,88 @@ def test_export_of_a_run_loads_in_transformers_with_the_same_logits(stopped, tmp
     with torch.no_grad():
         diff = (hf(tokens_BL).logits - ours(tokens_BL)).abs().max().item()
     assert diff < 1e-4, diff
+
+
+@contextlib.contextmanager
+def _coordinator():
+    """A standalone coordinator (`openprime mesh serve`) for nodes launched on separate "machines"."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "openprime.train.cli", "mesh", "serve", "--bind",
+                             f"tcp://127.0.0.1:{port}", "--min-nodes", "2"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def _machines(run_dirs: list[pathlib.Path], *args: str) -> list[str]:
+    """One node on each of two "machines" (its own run directory, so its own checkpoint disk) joined to one
+    coordinator; returns their outputs. One thread each: each launch would otherwise take this machine's two
+    cores for its one node."""
+    with _coordinator() as address:
+        procs = [subprocess.Popen([sys.executable, "-m", "openprime.train.cli", "run",
+                                   str(ROOT / "recipes" / "debug.py"), "--nodes", "1", "--join", address,
+                                   "--run-dir", str(run_dir), *RUN, "--set", "train.num_threads=1", *args],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for run_dir in run_dirs]
+        try:
+            outputs = [proc.communicate(timeout=240)[0] for proc in procs]
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait(timeout=30)
+    for proc, out in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, out[-3000:]
+    return outputs
+
+
+def _machines_of(stopped: pathlib.Path, tmp_path: pathlib.Path, name: str) -> list[pathlib.Path]:
+    """The stopped run's directory as two machines that save to their own disks hold it: each its node's parts.
+    (What one node saves does not depend on where the other runs: a two-machine run has the same hashes.)"""
+    dirs = []
+    for slot in (0, 1):
+        run_dir = pathlib.Path(shutil.copytree(stopped, tmp_path / f"{name}{slot}"))
+        (run_dir / "metrics.jsonl").unlink()  # the records of the part before the stop, of both nodes
+        for step in (run_dir / "checkpoints").iterdir():
+            shutil.rmtree(step / f"slot-{1 - slot}")
+        dirs.append(run_dir)
+    return dirs
+
+
+@pytest.mark.slow
+def test_machines_with_their_own_disks_resume_bit_identically_or_from_older_saves(baseline, stopped, tmp_path):
+    """Each machine holds only its own node's checkpoint parts. Resumed (`--resume latest` on each, one node each,
+    joined to a standalone coordinator), the run ends exactly as the uninterrupted one. When one machine lost its
+    newest save (killed mid-save), it resumes an older one; at the first outer step it takes the state of the node
+    that is further on, and the run goes on with one state everywhere."""
+    a, b = _machines_of(stopped, tmp_path, "ok")
+    outputs = _machines([a, b], "--resume", "latest")
+    assert all("resumed from" in out and "step-00000030" in out for out in outputs)
+    expected = summarize(baseline).distinct_hashes
+    assert summarize(a).distinct_hashes == summarize(b).distinct_hashes == {s: expected[s] for s in (4, 5, 6)}
+    losses_a, losses_b = _losses(a), _losses(b)
+    assert {s: sorted(losses_a[s] + losses_b[s]) for s in range(31, 61)} == \
+           {s: v for s, v in _losses(baseline).items() if s > 30}
+
+    a, b = _machines_of(stopped, tmp_path, "crashed")
+    # Machine b was killed while saving step 30: its part of it never got its final name.
+    part = b / "checkpoints" / "step-00000030" / "slot-1"
+    part.rename(part.with_name(".tmp-slot-1-1234-abcd"))
+    out_a, out_b = _machines([a, b], "--resume", "latest")
+    assert "resumed from" in out_a and "step-00000030" in out_a
+    assert "resumed from" in out_b and "step-00000020" in out_b
+    received = [r for r in read_records(b) if r["kind"] == "outer" and r["received_state"]]
+    assert [r["outer_step"] for r in received] == [4]  # at the first outer step, from a's node
+    hashes_a, hashes_b = summarize(a).hashes, summarize(b).hashes
+    assert sorted(hashes_a) == sorted(hashes_b) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert set(hashes_a[step].values()) == set(hashes_b[step].values()), step  # one state everywhere
+    lr = {m: {r["step"]: r["lr"] for r in read_records(m) if r["kind"] == "step"} for m in (a, b)}
+    assert all(lr[b][s] == lr[a][s] for s in range(41, 61))  # b's schedule moved with the state it took
+    # Each machine's disk alone can be exported (a node's parts hold the run's weights), and they agree.
+    (_, weights_a, _), (_, weights_b, _) = load_model_weights(a), load_model_weights(b)
+    assert weights_a.keys() == weights_b.keys() and all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)

@@ -104,6 +104,31 @@ def test_a_step_missing_a_part_is_incomplete(tmp_path) -> None:
         resolve(step_dir(tmp_path, 40))
 
 
+def test_a_machine_with_its_own_parts_only_uses_what_is_enough_for_it(tmp_path, caplog) -> None:
+    # Machine B of a two-machine run saved slot-1 of steps 20, 40 and 60 to its own disk (slot-0 is on machine A's);
+    # its step 60 part is corrupt.
+    for step in (20, 40, 60):
+        write_part(tmp_path, step, "slot-1", make_state(step), parts=["slot-0", "slot-1"])
+    data_file = next((step_dir(tmp_path, 60) / "slot-1").glob("*.distcp"))
+    _flip_byte(data_file, data_file.stat().st_size // 2)
+    with pytest.raises(CheckpointNotFound, match="part slot-0 of .* is missing"):
+        latest(tmp_path)  # the default: every part of the step, here
+
+    def one_part(parts: tuple[str, ...], named: tuple[str, ...]) -> str | None:
+        assert named == ("slot-0", "slot-1") or not parts
+        return None if parts else "no part of it is usable here"
+
+    with caplog.at_level(logging.WARNING, logger="openprime.ckpt"):
+        found = latest(tmp_path, enough=one_part)
+    assert (found.step, found.parts, found.verified) == (40, ("slot-1",), True)
+    assert "leaving part slot-1 of checkpoint step 60 out" in caplog.text and data_file.name in caplog.text
+    assert "skipping checkpoint step 60: " in caplog.text and "no part of it is usable here" in caplog.text
+    assert_same(read_part(found.part("slot-1"))["counters"], make_state(40)["counters"])
+    assert resolve(step_dir(tmp_path, 20), enough=one_part).parts == ("slot-1",)
+    with pytest.raises(CorruptCheckpoint, match="wants two"):
+        resolve(step_dir(tmp_path, 20), enough=lambda parts, _: None if len(parts) >= 2 else "wants two")
+
+
 def test_not_found_says_where_it_looked(tmp_path) -> None:
     with pytest.raises(CheckpointNotFound, match=f"no checkpoint under {tmp_path}"):
         latest(tmp_path)

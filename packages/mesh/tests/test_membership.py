@@ -97,6 +97,28 @@ def test_joiner_is_admitted_at_the_next_outer_step(coordinator):
     _close([*clients, late])
 
 
+def test_first_view_of_nodes_resumed_at_different_steps_makes_the_older_ones_new(coordinator):
+    # Three machines resume a run from their own disks: two from outer step 3, one (its newest save lost) from 2,
+    # and a fourth node has no checkpoint and starts from the initial weights (step 0).
+    clients = _clients(coordinator, 4)
+    steps, hashes = [3, 2, 3, 0], ["h3", "h2", "h3", "init"]
+    views = run_threads([lambda c=c, s=s, h=h: c.sync(s, state_hash=h, hash_step=s - 1)
+                         for c, s, h in zip(clients, steps, hashes, strict=True)])
+    assert len(set(views)) == 1
+    view = views[0]
+    assert view.step == 3 and sorted(view.new) == ["node-1", "node-3"]
+    assert view.state_hash == "h3"  # what the new ones check the donor's state against
+    assert not coordinator.disagreements
+    _close(clients)
+
+
+def test_first_view_of_a_fresh_run_lists_no_node_as_new(coordinator):
+    clients = _clients(coordinator, 2)
+    views = run_threads([lambda c=c: c.sync(0, state_hash="init", hash_step=-1) for c in clients])
+    assert views[0].new == () and views[0].step == 0
+    _close(clients)
+
+
 def test_coordinator_restart_keeps_the_run(coordinator):
     clients = _clients(coordinator, 2)
     first = run_threads([lambda c=c: c.sync(0) for c in clients])[0]

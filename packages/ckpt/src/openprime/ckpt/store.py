@@ -13,8 +13,10 @@ Layout of a checkpoint root (a run's `checkpoints/`):
 Each part is written to `step-N/.tmp-PART-...` and renamed to `step-N/PART` once its manifest is on
 disk, so a crash mid-save leaves a temporary directory (cleaned up later) and never a part that looks
 complete. Each part names the parts its step needs (the nodes of that outer step); a step is complete
-when all of them are present and verify. Loading never unpickles: DCP's tensor files are read with
-`weights_only`, the rest is JSON.
+when all of them are present and verify. A run whose machines save to their own disks holds only some parts
+of each step on each machine: `latest(root, enough=...)` then takes the newest step whose parts here verify
+and are enough for the caller (e.g. the nodes that this machine resumes). Loading never unpickles: DCP's
+tensor files are read with `weights_only`, the rest is JSON.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import re
 import shutil
 import uuid
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -48,6 +50,14 @@ TMP_PREFIX = ".tmp-"
 
 class CheckpointNotFound(OpenPrimeError):
     """No usable checkpoint where one was asked for."""
+
+
+class IncompleteCheckpoint(CorruptCheckpoint):
+    """A step of which too few parts are here, and verify, for the caller (see verify_step's `enough`)."""
+
+    def __init__(self, path: pathlib.Path, reason: str) -> None:
+        OpenPrimeError.__init__(self, f"checkpoint {path} is not usable here: {reason}")
+        self.path, self.reason = path, reason
 
 
 class CheckpointMismatch(ConfigError):
@@ -179,12 +189,39 @@ def part_info(path: pathlib.Path) -> dict[str, Any]:
     return {"step": meta["step"], "part": meta["part"], "parts": tuple(meta["parts"])}
 
 
-def verify_step(root: pathlib.Path, step: int, *, checksums: bool = True) -> Checkpoint:
-    """The step as a Checkpoint if all its parts are present and verify; CorruptCheckpoint otherwise."""
+PartsCheck = Callable[[tuple[str, ...], tuple[str, ...]], str | None]
+"""Given the parts of a step that are here and verify, and every part the step names, why those here are not
+enough to use it (None: enough)."""
+
+
+def verify_step(root: pathlib.Path, step: int, *, checksums: bool = True,
+                enough: PartsCheck | None = None) -> Checkpoint:
+    """The step as a Checkpoint if it can be used; CorruptCheckpoint otherwise.
+
+    By default every part the step names must be here and verify. With `enough`, the parts that are here and
+    verify are kept (a corrupt one is logged and left out) and `enough` decides whether they suffice: on a run
+    whose machines save to their own disks, each machine holds only its own nodes' parts of every step.
+    Checkpoint.parts lists the parts that may be read.
+    """
     path = step_dir(root, step)
     present = sorted(p.name for p in path.iterdir() if p.is_dir() and not p.name.startswith(TMP_PREFIX))
     if not present:
         raise CorruptCheckpoint(path, "no part finished saving")
+    if enough is not None:
+        good, named, problems = [], set(), []
+        for part in present:
+            try:
+                verify_manifest(path / part, checksums=checksums)
+                named.update(part_info(path / part)["parts"])
+            except (CorruptCheckpoint, OSError, ValueError, KeyError) as e:
+                problems.append(str(e))
+                log.warning("leaving part %s of checkpoint step %d out: %s", part, step, e)
+                continue
+            good.append(part)
+        why = enough(tuple(good), tuple(sorted(named)))
+        if why is not None:
+            raise IncompleteCheckpoint(path, why + "".join(f"; {p}" for p in problems))
+        return Checkpoint(step=step, path=path, parts=tuple(good), verified=checksums)
     verify_manifest(path / present[0], checksums=checksums)
     parts = part_info(path / present[0])["parts"]
     missing = [p for p in parts if p not in present]
@@ -197,13 +234,14 @@ def verify_step(root: pathlib.Path, step: int, *, checksums: bool = True) -> Che
     return Checkpoint(step=step, path=path, parts=tuple(parts), verified=checksums)
 
 
-def latest(root: pathlib.Path, *, checksums: bool = True) -> Checkpoint:
-    """The newest complete, verified step under `root`; older ones are tried when newer ones fail (logged)."""
+def latest(root: pathlib.Path, *, checksums: bool = True, enough: PartsCheck | None = None) -> Checkpoint:
+    """The newest usable, verified step under `root` (see verify_step for `enough`); older ones are tried when
+    newer ones fail (logged)."""
     steps = list_steps(root)
     problems = []
     for step in reversed(steps):
         try:
-            found = verify_step(root, step, checksums=checksums)
+            found = verify_step(root, step, checksums=checksums, enough=enough)
         except (CorruptCheckpoint, OSError, ValueError, KeyError) as e:
             problems.append(str(e))
             log.warning("skipping checkpoint step %d: %s; falling back to the previous one", step, e)
@@ -215,11 +253,11 @@ def latest(root: pathlib.Path, *, checksums: bool = True) -> Checkpoint:
                              + "; ".join(problems))
 
 
-def resolve(path: pathlib.Path, *, checksums: bool = True) -> Checkpoint:
+def resolve(path: pathlib.Path, *, checksums: bool = True, enough: PartsCheck | None = None) -> Checkpoint:
     """A checkpoint from a path: a step directory itself, or a root (its newest usable step)."""
     if STEP_RE.match(path.name) and path.is_dir():
-        return verify_step(path.parent, int(STEP_RE.match(path.name).group(1)), checksums=checksums)
-    return latest(path, checksums=checksums)
+        return verify_step(path.parent, int(STEP_RE.match(path.name).group(1)), checksums=checksums, enough=enough)
+    return latest(path, checksums=checksums, enough=enough)
 
 
 def prune(root: pathlib.Path, part: str, *, num_keep: int) -> None:

@@ -315,11 +315,23 @@ class Coordinator:
         # Members that report no state (a transfer that broke, or a node admitted earlier without it) get it
         # from a donor at this barrier, as joiners do.
         stateless = [m for m in live_members if self._waiting[m][2].get("stateless") is True]
-        # The hash the members agree their state has (after the previous outer step): joiners check what a
-        # donor sends them against it.
-        reported = {self.hashes.get(step - 1, {}).get(m) for m in live_members} - {None}
+        holders = live_members
+        new = joiners + stateless
+        if not live_members:
+            # The first view: every node a joiner. Nodes resumed from checkpoints of different steps (one machine
+            # lost its newest save in a crash) or not resumed at all (a machine without its disk) take the state
+            # of a node at the newest step, as joiners of a run under way do; the others start together.
+            holders = [j for j in joiners if self._waiting[j][2]["step"] == step
+                       and self._waiting[j][2].get("stateless") is not True]
+            new = [j for j in joiners if j not in holders] if holders else joiners
+            if holders and new:
+                log.warning("outer step %d: %s resume from older states than %s (or none); they take the state "
+                            "from a node at the newest step", step, new, holders)
+        # The hash the state holders agree their state has (after the previous outer step): the new nodes
+        # check what a donor sends them against it.
+        reported = {self.hashes.get(step - 1, {}).get(m) for m in holders} - {None}
         agreed = reported.pop() if len(reported) == 1 else None
-        view = {"op": "view", "epoch": self.epoch, "members": members, "new": joiners + stateless, "step": step,
+        view = {"op": "view", "epoch": self.epoch, "members": members, "new": new, "step": step,
                 "state_hash": agreed,
                 "attempt": attempt, "skip": skip, "slots": [[m, self.nodes[m].slot] for m in members],
                 "store": self.store}

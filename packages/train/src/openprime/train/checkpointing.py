@@ -13,6 +13,7 @@ import enum
 import json
 import pathlib
 import typing
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -30,12 +31,14 @@ from openprime.ckpt import (
     CheckpointConfig,
     Checkpointer,
     CheckpointNotFound,
+    PartsCheck,
     check_compatible,
     latest,
     read_part,
     resolve,
 )
 from openprime.ckpt.state import flatten, unflatten
+from openprime.ckpt.store import part_info
 from openprime.core.config import to_dict
 from openprime.core.errors import ConfigError
 from openprime.diloco import DiLoCo, ExtraState
@@ -56,12 +59,44 @@ def rank_of_part(name: str) -> int:
     return int(name.split("-rank-")[1]) if "-rank-" in name else 0
 
 
-def parts_by_node(checkpoint: Checkpoint) -> list[list[str]]:
-    """The checkpoint's parts grouped by node (data slot), in slot order; within a node in local-rank order."""
+def _by_node(parts: Sequence[str]) -> list[list[str]]:
     slots: dict[int, list[str]] = {}
-    for name in checkpoint.parts:
+    for name in parts:
         slots.setdefault(slot_of_part(name), []).append(name)
     return [sorted(names, key=rank_of_part) for _, names in sorted(slots.items())]
+
+
+def parts_by_node(checkpoint: Checkpoint) -> list[list[str]]:
+    """The checkpoint's parts grouped by node (data slot), in slot order; within a node in local-rank order."""
+    return _by_node(checkpoint.parts)
+
+
+def whole_nodes(parts: Sequence[str], named: Sequence[str]) -> list[list[str]]:
+    """The nodes of a step whose parts (one per local rank) are all among `parts`; `named`: every part of the step."""
+    have = set(parts)
+    return [names for names in _by_node(named) if all(name in have for name in names)]
+
+
+def nodes_here(num_nodes: int) -> PartsCheck:
+    """A step is usable on this machine when it holds the whole parts of at least `num_nodes` nodes of it.
+
+    A run whose machines checkpoint to their own disks holds only its own nodes' parts on each machine, so
+    this is what a machine can resume from (a shared disk holds every node's)."""
+    def enough(parts: tuple[str, ...], named: tuple[str, ...]) -> str | None:
+        found = whole_nodes(parts, named)
+        if len(found) >= num_nodes:
+            return None
+        held = ", ".join(f"slot {slot_of_part(names[0])}" for names in found) or "none"
+        return (f"it holds {len(found)} whole node(s) here ({held}) of the {len(_by_node(named))} that saved it, "
+                f"and {num_nodes} are to resume from it (--nodes {num_nodes}; more nodes can join with --join and "
+                f"no --resume: they take the state from a peer)")
+    return enough
+
+
+def usable_nodes(found: Checkpoint) -> Checkpoint:
+    """`found` with only the parts of whole nodes (a node missing a local rank's part cannot resume)."""
+    named = part_info(found.part(found.parts[0]))["parts"]
+    return attrs.evolve(found, parts=tuple(name for names in whole_nodes(found.parts, named) for name in names))
 
 
 def local_state(tree: Any) -> Any:
@@ -136,11 +171,14 @@ class InnerOptimizerState(ExtraState):
         set_optimizer_state_dict(self.model, self.opt, sharded_like(unflatten(meta["optim"], tensors), like))
 
 
-def find_checkpoint(spec: str, cfg: CheckpointConfig, run_dir: pathlib.Path) -> Checkpoint:
-    """`--resume latest` (the run directory's newest complete, verified step) or `--resume PATH`."""
+def find_checkpoint(spec: str, cfg: CheckpointConfig, run_dir: pathlib.Path, *, num_nodes: int) -> Checkpoint:
+    """`--resume latest` (the newest step of the run directory's checkpoints that holds, verified, the parts of
+    `num_nodes` nodes: all of them when one disk holds the run's checkpoints, this machine's nodes' when each
+    machine saves to its own) or `--resume PATH` (that step, or that root's newest such step)."""
+    enough = nodes_here(num_nodes)
     if spec == "latest":
-        return latest(checkpoint_root(cfg, run_dir))
-    return resolve(pathlib.Path(spec))
+        return usable_nodes(latest(checkpoint_root(cfg, run_dir), enough=enough))
+    return usable_nodes(resolve(pathlib.Path(spec), enough=enough))
 
 
 def load_node_part(checkpoint: Checkpoint, name: str, model: torch.nn.Module) -> dict[str, Any]:
@@ -148,9 +186,8 @@ def load_node_part(checkpoint: Checkpoint, name: str, model: torch.nn.Module) ->
     if name not in checkpoint.parts:
         saved_ranks = len(parts_by_node(checkpoint)[0])
         raise ConfigError(f"this process saves as {name}, but checkpoint {checkpoint.path} holds "
-                          f"{list(checkpoint.parts)}: resume with as many nodes as it has "
-                          f"(--nodes {len(parts_by_node(checkpoint))}) and as many local ranks "
-                          f"(fsdp.num_local_ranks={saved_ranks}); add nodes with --join afterwards")
+                          f"{list(checkpoint.parts)} here: resume with the local ranks that saved it "
+                          f"(fsdp.num_local_ranks={saved_ranks})")
     part = checkpoint.part(name)
     check_compatible(part, {"model": local_state(model.state_dict())})
     # `--resume` found the checkpoint with its checksums checked (find_checkpoint): hashing it again in every
@@ -174,12 +211,13 @@ def load_model_weights(source: pathlib.Path) -> tuple[ModelConfig, dict[str, tor
     if (source / "state.json").is_file():
         part = source
     else:
+        # Every node holds the same weights after an outer step: one node's parts are enough.
         if (source / "config.json").is_file() and (source / "checkpoints").is_dir():
             run_cfg = json.loads((source / "config.json").read_text())["config"]
             root = pathlib.Path(run_cfg["checkpoint"]["directory"] or source / "checkpoints")
-            found = latest(root)
+            found = usable_nodes(latest(root, enough=nodes_here(1)))
         elif source.is_dir():
-            found = resolve(source)
+            found = usable_nodes(resolve(source, enough=nodes_here(1)))
         else:
             raise CheckpointNotFound(f"{source} is neither a run directory nor a checkpoint")
         part = found.part(found.parts[0])
@@ -188,8 +226,8 @@ def load_model_weights(source: pathlib.Path) -> tuple[ModelConfig, dict[str, tor
     if "-rank-" in part.name:
         # Saved by FSDP2 local ranks: rank r holds rows [r * ceil(n / R), ...) of every parameter (dim 0), so
         # the node's full weights are its ranks' shards concatenated in rank order.
-        step = resolve(part.parent)
-        (names,) = [names for names in parts_by_node(step) if part.name in names]
-        shards = [model if name == part.name else read_part(step.part(name))["model"] for name in names]
+        named = part_info(part)["parts"]
+        (names,) = [names for names in whole_nodes(named, named) if part.name in names]
+        shards = [model if name == part.name else read_part(part.parent / name)["model"] for name in names]
         model = {key: torch.cat([shard[key] for shard in shards]) for key in model}
     return model_config_from_dict(state["model_config"]), model, part

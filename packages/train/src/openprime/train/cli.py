@@ -284,12 +284,8 @@ def _resume_from(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path
 
     if args.resume == "latest" and args.run_dir is None and not cfg.checkpoint.directory:
         raise ConfigError("--resume latest needs the --run-dir of the run to continue")
-    found = find_checkpoint(args.resume, cfg.checkpoint, run_dir)
+    found = find_checkpoint(args.resume, cfg.checkpoint, run_dir, num_nodes=args.nodes)
     nodes = parts_by_node(found)
-    if args.nodes != len(nodes):
-        raise ConfigError(f"checkpoint {found.path} holds {len(nodes)} nodes ({', '.join(found.parts)}) but "
-                          f"--nodes is {args.nodes}: resume with --nodes {len(nodes)}; more nodes can join "
-                          f"afterwards with --join")
     ranks = cfg.fsdp.num_local_ranks
     if len(nodes[0]) != ranks:
         raise ConfigError(f"checkpoint {found.path} was saved by nodes of {len(nodes[0])} local rank(s), each holding "

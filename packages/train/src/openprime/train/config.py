@@ -92,6 +92,9 @@ class TrainConfig:
     stop_after_outer_steps: int = field(
         0, doc="end this launch after this many outer steps of the run, with a checkpoint (0: run to the end); "
                "a launch resumed at or past it runs to the end", validator=non_negative_int())
+    num_threads: int = field(
+        0, doc="CPU threads of each node process (0: the cores this launch may use, shared among the processes it "
+               "starts; set it when several launches share one machine)", validator=non_negative_int())
 
 
 class TransportKind(enum.Enum):

@@ -150,6 +150,11 @@ class NodeProcess(mp.context.ForkServerProcess):
         super().run()
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity (a container's or taskset's share) where the OS has one."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def node_main(cfg: RunConfig, node: int, coordinator: str, run_dir: pathlib.Path, num_threads: int,
               resume: Checkpoint | None = None, local_rank: int = 0,
               local_rendezvous: Rendezvous | None = None) -> None:
@@ -174,8 +179,9 @@ class Launcher:
         self.cfg = attrs.evolve(cfg, mesh=attrs.evolve(cfg.mesh, min_nodes=num_nodes))
         self.run_dir = run_dir
         self.resume = resume  # the nodes started first continue from it; later ones join and get the state
-        self._num_resumed = len(parts_by_node(resume)) if resume is not None else 0
-        self.num_threads = max(1, (os.cpu_count() or 1) // (num_nodes * cfg.fsdp.num_local_ranks))
+        # The first nodes resume the checkpoint's nodes, as many as it holds (it may hold more: a shared disk).
+        self._num_resumed = min(num_nodes, len(parts_by_node(resume))) if resume is not None else 0
+        self.num_threads = cfg.train.num_threads or max(1, usable_cores() // (num_nodes * cfg.fsdp.num_local_ranks))
         self.coordinator_server: Coordinator | None = None  # the coordinator, when it runs in this process
         if coordinator is None:
             self.coordinator_server = Coordinator(self.cfg.mesh, store_timeout_s=cfg.timeouts.connect_s).start()
@@ -296,11 +302,12 @@ def launch(cfg: RunConfig, *, num_nodes: int, run_dir: pathlib.Path, coordinator
     if len(failed) == len(codes):
         print("openprime: run failed: no node finished. See the log above.", file=sys.stderr)
         return 1
-    _print_summary(cfg, run_dir, time.monotonic() - start)
+    _print_summary(cfg, run_dir, time.monotonic() - start, num_nodes=num_nodes, joined=coordinator)
     return 0
 
 
-def _print_summary(cfg: RunConfig, run_dir: pathlib.Path, elapsed_s: float) -> None:
+def _print_summary(cfg: RunConfig, run_dir: pathlib.Path, elapsed_s: float, *, num_nodes: int,
+                   joined: str | None) -> None:
     s = summarize(run_dir)
     print(f"openprime: done in {elapsed_s:.0f}s: {s.num_nodes} nodes, {s.num_outer_steps} outer steps, "
           f"global state hashes {'identical on every node after every outer step' if s.hashes_agree else 'DIFFER'}")
@@ -311,7 +318,9 @@ def _print_summary(cfg: RunConfig, run_dir: pathlib.Path, elapsed_s: float) -> N
     root = checkpoint_root(cfg.checkpoint, run_dir)
     steps = list_steps(root)
     if steps:
-        more = (f"continue with `openprime run RECIPE --run-dir {run_dir} --resume latest`; "
+        # A launch joined to a standalone coordinator (one machine of several) resumes joined to it again.
+        join = f" --join {joined}" if joined else ""
+        more = (f"continue with `openprime run RECIPE --nodes {num_nodes}{join} --run-dir {run_dir} --resume latest`; "
                 if steps[-1] < cfg.train.num_steps else "")
         print(f"  checkpoints: {root} (newest: step {steps[-1]}); {more}export the model with "
               f"`openprime export {run_dir} OUT_DIR`")

@@ -244,6 +244,11 @@ class Node:
             self.report_outer(self.diloco.num_inner_steps_done, result)
         else:
             self._open_slot()
+        if resume is not None and self.part not in resume.parts:
+            # A shared disk holds every node's parts and another machine's node took this one's slot first.
+            self.say(f"[node {self.node}] data slot {self.mesh.slot} has no part in {resume.path}: this node starts "
+                     f"without one and takes the state from a peer at its first outer step")
+            resume = None
         if resume is not None:
             if self.diloco is None:
                 raise ConfigError("--resume continues a DiLoCo run; train.strategy=data_parallel does not checkpoint")
@@ -364,6 +369,8 @@ def run_node(cfg: RunConfig, *, node: int, coordinator: str, run_dir: pathlib.Pa
                 n.say(f"[node {node}] {e}")
                 result = n.catch_up(rejoin=True)
                 n.write("rejoined", node_id=n.mesh.node_id, slot=n.mesh.slot, step=counters.num_inner_steps_done)
+            if result is not None and result.received_state:  # the run was further on than this node's state
+                follow_schedule(n.sched, counters.num_inner_steps_done)
             progress.step(step, loss, lr, time.monotonic() - step_start, result)
             if result is not None:
                 stopping = bool(stop_at) and counters.num_outer_steps_done >= stop_at
