@@ -65,6 +65,21 @@ def test_bad_values_name_the_field(capsys, tmp_path, setting, expected):
     assert expected in err, err
 
 
+def test_a_run_that_saved_no_checkpoint_is_neither_resumed_nor_overwritten(capsys, tmp_path):
+    # A run killed before its first checkpoint left its metrics: neither command may go ahead, and neither may send
+    # the user to the other.
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"kind": "start", "node": 0}\n')
+    for extra in ([], ["--resume", "latest"]):
+        assert main(["run", DEBUG, "--run-dir", str(run_dir), *extra]) == 2
+        err = capsys.readouterr().err
+        assert "saved no checkpoint" in err and "another --run-dir" in err and "continue it with" not in err, err
+    (run_dir / "checkpoints" / "step-00000020").mkdir(parents=True)
+    assert main(["run", DEBUG, "--run-dir", str(run_dir)]) == 2
+    assert "already holds a run; continue it with --resume latest" in capsys.readouterr().err
+
+
 def test_nodes_must_be_positive(capsys, tmp_path):
     assert "--nodes must be >= 1" in _fails(capsys, tmp_path, DEBUG, "--nodes", "0")
 

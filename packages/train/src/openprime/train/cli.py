@@ -28,7 +28,7 @@ import sys
 import attrs
 import torch
 
-from openprime.ckpt import Checkpoint, check_compatible
+from openprime.ckpt import Checkpoint, check_compatible, list_steps
 from openprime.core.config import override
 from openprime.core.errors import ConfigError, OpenPrimeError
 from openprime.mesh import Coordinator, MeshConfig
@@ -268,8 +268,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.resume:
             resume = _resume_from(args, cfg, run_dir)
         elif (run_dir / "metrics.jsonl").exists() and not args.join:
-            raise ConfigError(f"{run_dir} already holds a run; continue it with --resume latest, "
-                              f"or choose another --run-dir")
+            from openprime.train.checkpointing import checkpoint_root
+
+            if list_steps(checkpoint_root(cfg.checkpoint, run_dir)):
+                raise ConfigError(f"{run_dir} already holds a run; continue it with --resume latest, "
+                                  f"or choose another --run-dir")
+            raise ConfigError(f"{run_dir} already holds a run that saved no checkpoint (it ended before its first "
+                              f"one): there is nothing to resume; choose another --run-dir, or remove this one")
     except OpenPrimeError as e:
         print(f"openprime: error: {e}", file=sys.stderr)
         return 2
@@ -280,10 +285,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def _resume_from(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path) -> Checkpoint:
     """The checkpoint that `--resume` names, checked against the nodes asked for."""
-    from openprime.train.checkpointing import find_checkpoint, parts_by_node
+    from openprime.train.checkpointing import checkpoint_root, find_checkpoint, parts_by_node
 
     if args.resume == "latest" and args.run_dir is None and not cfg.checkpoint.directory:
         raise ConfigError("--resume latest needs the --run-dir of the run to continue")
+    if args.resume == "latest" and (run_dir / "metrics.jsonl").exists() and not list_steps(
+            checkpoint_root(cfg.checkpoint, run_dir)):
+        raise ConfigError(f"{run_dir} holds a run that saved no checkpoint (it ended before its first one, at inner "
+                          f"step {cfg.checkpoint.interval_steps}): there is nothing to resume; start it again in "
+                          f"another --run-dir, or remove this one")
     found = find_checkpoint(args.resume, cfg.checkpoint, run_dir, num_nodes=args.nodes)
     nodes = parts_by_node(found)
     ranks = cfg.fsdp.num_local_ranks
