@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -119,13 +120,13 @@ def test_export_of_a_run_loads_in_transformers_with_the_same_logits(stopped, tmp
 
 
 @contextlib.contextmanager
-def _coordinator():
+def _coordinator(num_nodes: int):
     """A standalone coordinator (`openprime mesh serve`) for nodes launched on separate "machines"."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "openprime.train.cli", "mesh", "serve", "--bind",
-                             f"tcp://127.0.0.1:{port}", "--min-nodes", "2"], stdout=subprocess.DEVNULL,
+                             f"tcp://127.0.0.1:{port}", "--min-nodes", str(num_nodes)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
         yield f"127.0.0.1:{port}"
@@ -134,17 +135,30 @@ def _coordinator():
         proc.wait(timeout=30)
 
 
-def _machines(run_dirs: list[pathlib.Path], *args: str) -> list[str]:
-    """One node on each of two "machines" (its own run directory, so its own checkpoint disk) joined to one
-    coordinator; returns their outputs. One thread each: each launch would otherwise take this machine's two
-    cores for its one node."""
-    with _coordinator() as address:
-        procs = [subprocess.Popen([sys.executable, "-m", "openprime.train.cli", "run",
-                                   str(ROOT / "recipes" / "debug.py"), "--nodes", "1", "--join", address,
-                                   "--run-dir", str(run_dir), *RUN, "--set", "train.num_threads=1", *args],
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for run_dir in run_dirs]
+def _started(run_dir: pathlib.Path, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    """Wait until the node of a launch has joined and started (its "start" record), so that the next launch joins
+    after it: data slots are granted in join order."""
+    deadline = time.monotonic() + timeout_s
+    metrics = run_dir / "metrics.jsonl"
+    while not (metrics.exists() and '"kind": "start"' in metrics.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, "the launch ended or hung before its node started"
+        time.sleep(0.2)
+
+
+def _machines(*machines: tuple[pathlib.Path, tuple[str, ...]]) -> list[str]:
+    """One node on each "machine" (its own run directory, so its own checkpoint disk) joined to one coordinator,
+    each started once the one before has joined; returns their outputs. One thread each: each launch would
+    otherwise take this machine's two cores for its one node."""
+    with _coordinator(len(machines)) as address:
+        procs = []
         try:
+            for run_dir, args in machines:
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "openprime.train.cli", "run", str(ROOT / "recipes" / "debug.py"),
+                     "--nodes", "1", "--join", address, "--run-dir", str(run_dir), *RUN,
+                     "--set", "train.num_threads=1", *args],
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+                _started(run_dir, procs[-1])
             outputs = [proc.communicate(timeout=240)[0] for proc in procs]
         finally:
             for proc in procs:
@@ -168,14 +182,18 @@ def _machines_of(stopped: pathlib.Path, tmp_path: pathlib.Path, name: str) -> li
     return dirs
 
 
+RESUME = ("--resume", "latest")
+
+
 @pytest.mark.slow
 def test_machines_with_their_own_disks_resume_bit_identically_or_from_older_saves(baseline, stopped, tmp_path):
     """Each machine holds only its own node's checkpoint parts. Resumed (`--resume latest` on each, one node each,
-    joined to a standalone coordinator), the run ends exactly as the uninterrupted one. When one machine lost its
-    newest save (killed mid-save), it resumes an older one; at the first outer step it takes the state of the node
-    that is further on, and the run goes on with one state everywhere."""
+    joined to a standalone coordinator), the run ends exactly as the uninterrupted one. Then: one machine lost its
+    newest save (killed mid-save) and resumes an older one, and a third machine, new, joins first without a
+    checkpoint and takes the other's data slot; at the first outer step the two take the state of the node that is
+    furthest on, and the run goes on from where it was, with one state everywhere."""
     a, b = _machines_of(stopped, tmp_path, "ok")
-    outputs = _machines([a, b], "--resume", "latest")
+    outputs = _machines((a, RESUME), (b, RESUME))
     assert all("resumed from" in out and "step-00000030" in out for out in outputs)
     expected = summarize(baseline).distinct_hashes
     assert summarize(a).distinct_hashes == summarize(b).distinct_hashes == {s: expected[s] for s in (4, 5, 6)}
@@ -184,20 +202,23 @@ def test_machines_with_their_own_disks_resume_bit_identically_or_from_older_save
            {s: v for s, v in _losses(baseline).items() if s > 30}
 
     a, b = _machines_of(stopped, tmp_path, "crashed")
+    new = tmp_path / "new"
     # Machine b was killed while saving step 30: its part of it never got its final name.
     part = b / "checkpoints" / "step-00000030" / "slot-1"
     part.rename(part.with_name(".tmp-slot-1-1234-abcd"))
-    out_a, out_b = _machines([a, b], "--resume", "latest")
-    assert "resumed from" in out_a and "step-00000030" in out_a
+    out_new, out_a, out_b = _machines((new, ()), (a, RESUME), (b, RESUME))
+    assert "resumed from" not in out_new
+    assert "saved data slot 0 went to another node" in out_a and "step-00000030" in out_a  # new took slot 0
     assert "resumed from" in out_b and "step-00000020" in out_b
-    received = [r for r in read_records(b) if r["kind"] == "outer" and r["received_state"]]
-    assert [r["outer_step"] for r in received] == [4]  # at the first outer step, from a's node
-    hashes_a, hashes_b = summarize(a).hashes, summarize(b).hashes
-    assert sorted(hashes_a) == sorted(hashes_b) == [4, 5, 6]
+    for run_dir in (new, b):
+        received = [r for r in read_records(run_dir) if r["kind"] == "outer" and r["received_state"]]
+        assert [r["outer_step"] for r in received] == [4]  # at the first outer step, from a's node
+    hashes = [summarize(run_dir).hashes for run_dir in (a, b, new)]
+    assert all(sorted(h) == [4, 5, 6] for h in hashes)
     for step in (4, 5, 6):
-        assert set(hashes_a[step].values()) == set(hashes_b[step].values()), step  # one state everywhere
-    lr = {m: {r["step"]: r["lr"] for r in read_records(m) if r["kind"] == "step"} for m in (a, b)}
-    assert all(lr[b][s] == lr[a][s] for s in range(41, 61))  # b's schedule moved with the state it took
+        assert len({digest for h in hashes for digest in h[step].values()}) == 1, step  # one state everywhere
+    lr = {m: {r["step"]: r["lr"] for r in read_records(m) if r["kind"] == "step"} for m in (a, b, new)}
+    assert all(lr[b][s] == lr[a][s] == lr[new][s] for s in range(41, 61))  # schedules moved with the state
     # Each machine's disk alone can be exported (a node's parts hold the run's weights), and they agree.
     (_, weights_a, _), (_, weights_b, _) = load_model_weights(a), load_model_weights(b)
     assert weights_a.keys() == weights_b.keys() and all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)

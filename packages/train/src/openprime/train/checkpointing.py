@@ -146,13 +146,15 @@ def node_state(*, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: tor
 
 
 def restore_node(state: dict[str, Any], *, model: torch.nn.Module, opt: torch.optim.Optimizer,
-                 sched: torch.optim.lr_scheduler.LRScheduler, diloco: DiLoCo, batches: MixtureBatches) -> None:
-    """Put a node back where `node_state` found it."""
+                 sched: torch.optim.lr_scheduler.LRScheduler, diloco: DiLoCo, batches: MixtureBatches | None) -> None:
+    """Put a node back where `node_state` found it (its data position too, unless `batches` is None: the node
+    reads another data slot than the one saved)."""
     set_model_state_dict(model, sharded_like(state["model"], get_model_state_dict(model)))
     set_optimizer_state_dict(model, opt, sharded_like(state["optim"], get_optimizer_state_dict(model, opt)))
     sched.load_state_dict(state["scheduler"])
     diloco.load_state_dict(state["diloco"])
-    batches.load_state_dict(state["data"])
+    if batches is not None:
+        batches.load_state_dict(state["data"])
     torch.set_rng_state(state["rng"]["torch"])
 
 

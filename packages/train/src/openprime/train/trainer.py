@@ -206,8 +206,9 @@ class Node:
         self.sched = build_lr_scheduler(self.opt, num_warmup_steps=cfg.schedule.num_warmup_steps,
                                         num_decay_steps=cfg.schedule.num_decay_steps,
                                         num_steps=cfg.train.num_steps, shape=cfg.schedule.decay_shape)
-        slot = slot_of_part(parts_by_node(resume)[node][0]) if resume else -1
-        self.mesh = join_mesh(cfg, coordinator, slot=slot, local_rank=local_rank, local_mesh=self.local_mesh)
+        self.saved_slot = slot_of_part(parts_by_node(resume)[node][0]) if resume else -1  # asked for; may be taken
+        self.mesh = join_mesh(cfg, coordinator, slot=self.saved_slot, local_rank=local_rank,
+                              local_mesh=self.local_mesh)
         # Local rank 0 speaks for the node: its records and progress lines. Every local rank also records the
         # view it trained under ("local_outer"), which shows that a node's processes agree on it.
         tensorboard = cfg.metrics.tensorboard is TensorBoard.AUTO and tensorboard_installed() and local_rank == 0
@@ -244,16 +245,19 @@ class Node:
             self.report_outer(self.diloco.num_inner_steps_done, result)
         else:
             self._open_slot()
-        if resume is not None and self.part not in resume.parts:
-            # A shared disk holds every node's parts and another machine's node took this one's slot first.
-            self.say(f"[node {self.node}] data slot {self.mesh.slot} has no part in {resume.path}: this node starts "
-                     f"without one and takes the state from a peer at its first outer step")
-            resume = None
         if resume is not None:
             if self.diloco is None:
                 raise ConfigError("--resume continues a DiLoCo run; train.strategy=data_parallel does not checkpoint")
-            restore_node(load_node_part(resume, self.part, self.model), model=self.model, opt=self.opt,
-                         sched=self.sched, diloco=self.diloco, batches=self.batches)
+            # Another node took the saved slot first (one joining without a checkpoint, or a machine that shares
+            # the disk): take the granted slot's part when the checkpoint holds one, else this node's own part
+            # without its data position. The checkpoint's state is never dropped for a slot.
+            part = self.part
+            if part not in resume.parts:
+                part = part_name(self.saved_slot, self.local_rank, self.cfg.fsdp.num_local_ranks)
+                self.say(f"[node {self.node}] its saved data slot {self.saved_slot} went to another node: it continues "
+                         f"from that slot's part on data slot {self.mesh.slot}, whose data it reads from the start")
+            restore_node(load_node_part(resume, part, self.model), model=self.model, opt=self.opt,
+                         sched=self.sched, diloco=self.diloco, batches=self.batches if part == self.part else None)
             self.say(f"[node {self.node}] resumed from {resume.path} at inner step {self.diloco.num_inner_steps_done} "
                      f"(outer step {self.diloco.num_outer_steps_done})")
         self.write("start", node_id=self.mesh.node_id, slot=self.mesh.slot, joining=self.joining,
