@@ -145,20 +145,21 @@ def _started(run_dir: pathlib.Path, proc: subprocess.Popen, timeout_s: float = 1
         time.sleep(0.2)
 
 
-def _machines(*machines: tuple[pathlib.Path, tuple[str, ...]]) -> list[str]:
-    """One node on each "machine" (its own run directory, so its own checkpoint disk) joined to one coordinator,
-    each started once the one before has joined; returns their outputs. One thread each: each launch would
-    otherwise take this machine's two cores for its one node."""
+def _machines(*machines: tuple[pathlib.Path, tuple[str, ...]], first_alone: bool = False) -> list[str]:
+    """One node on each "machine" (its own run directory, so its own checkpoint disk) joined to one coordinator;
+    returns their outputs. `first_alone`: the others start once the first has joined. One thread each: each
+    launch would otherwise take this machine's two cores for its one node."""
     with _coordinator(len(machines)) as address:
         procs = []
         try:
-            for run_dir, args in machines:
+            for i, (run_dir, args) in enumerate(machines):
                 procs.append(subprocess.Popen(
                     [sys.executable, "-m", "openprime.train.cli", "run", str(ROOT / "recipes" / "debug.py"),
                      "--nodes", "1", "--join", address, "--run-dir", str(run_dir), *RUN,
                      "--set", "train.num_threads=1", *args],
                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-                _started(run_dir, procs[-1])
+                if first_alone and i == 0:
+                    _started(run_dir, procs[-1])
             outputs = [proc.communicate(timeout=240)[0] for proc in procs]
         finally:
             for proc in procs:
@@ -206,7 +207,7 @@ def test_machines_with_their_own_disks_resume_bit_identically_or_from_older_save
     # Machine b was killed while saving step 30: its part of it never got its final name.
     part = b / "checkpoints" / "step-00000030" / "slot-1"
     part.rename(part.with_name(".tmp-slot-1-1234-abcd"))
-    out_new, out_a, out_b = _machines((new, ()), (a, RESUME), (b, RESUME))
+    out_new, out_a, out_b = _machines((new, ()), (a, RESUME), (b, RESUME), first_alone=True)
     assert "resumed from" not in out_new
     assert "saved data slot 0 went to another node" in out_a and "step-00000030" in out_a  # new took slot 0
     assert "resumed from" in out_b and "step-00000020" in out_b
