@@ -8,7 +8,7 @@ import attrs
 import pytest
 
 from openprime.core.testing import run_threads
-from openprime.mesh import Coordinator, Evicted, MeshClient, MeshConfig
+from openprime.mesh import Coordinator, Evicted, JoinRefused, MeshClient, MeshConfig
 
 FAST = MeshConfig(heartbeat_interval_s=0.1, num_missed_heartbeats=3, sync_timeout_s=10, num_all_reduce_tries=2)
 
@@ -117,6 +117,26 @@ def test_first_view_of_a_fresh_run_lists_no_node_as_new(coordinator):
     views = run_threads([lambda c=c: c.sync(0, state_hash="init", hash_step=-1) for c in clients])
     assert views[0].new == () and views[0].step == 0
     _close(clients)
+
+
+def test_a_node_that_disagrees_with_the_run_is_refused_naming_what_differs(coordinator):
+    terms = {"model.dim": "128", "optim.lr": "0.003", "data.tokens": "ab12"}
+    first = MeshClient(coordinator.address, FAST, node_id="first")
+    first.join(terms=terms)
+    same = MeshClient(coordinator.address, FAST, node_id="same")
+    same.join(terms=dict(terms))  # the same terms: admitted
+    other = MeshClient(coordinator.address, FAST, node_id="other")
+    with pytest.raises(JoinRefused, match=r"node other does not agree with the run on data.tokens: ff00 there, "
+                                             r"ab12 in the run \(as node first joined it\) \(and 1 more: optim.lr\)"):
+        other.join(terms={**terms, "optim.lr": "0.001", "data.tokens": "ff00"})
+    assert "other" not in coordinator.nodes and len(coordinator.refusals) == 1
+    # A coordinator whose nodes all left serves the next run, whatever its terms.
+    _close([first, same])
+    while coordinator.nodes:
+        time.sleep(0.05)
+    next_run = MeshClient(coordinator.address, FAST, node_id="next")
+    next_run.join(terms={"model.dim": "256"})
+    _close([other, next_run])
 
 
 def test_coordinator_restart_keeps_the_run(coordinator):

@@ -20,6 +20,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -35,6 +36,10 @@ log = logging.getLogger("openprime.mesh.client")
 
 class Evicted(OpenPrimeError):
     """The coordinator no longer counts this node as a member: rejoin as a new node."""
+
+
+class JoinRefused(OpenPrimeError):
+    """The coordinator will not let this node join (another run's terms, a full run, a node id in use)."""
 
 
 @attrs.frozen
@@ -121,18 +126,19 @@ class MeshClient:
             if time.monotonic() >= deadline:
                 raise PeerFailure(-1, f"coordinator at {self.address} did not answer {op} in time")
 
-    def join(self, timeout_s: float | None = None, *, slot: int = -1) -> int:
+    def join(self, timeout_s: float | None = None, *, slot: int = -1, terms: Mapping[str, str] | None = None) -> int:
         """Register with the coordinator; returns this node's data slot. Admission happens at a sync.
 
         `slot` asks for a data slot (a node resuming a checkpoint wants its own); the coordinator grants it
-        if it is free, and otherwise gives the lowest free one.
+        if it is free, and otherwise gives the lowest free one. `terms`: what every node of the run must agree
+        on (name -> value); the coordinator refuses a node whose terms differ from the run's, naming the first.
         """
         deadline = time.monotonic() + (timeout_s or self.config.sync_timeout_s)
         self.slot = slot
         with self._lock:
-            reply = self._request(self._sock, "join", deadline)
+            reply = self._request(self._sock, "join", deadline, **({"terms": dict(terms)} if terms else {}))
         if reply.get("op") != "joined":
-            raise OpenPrimeError(f"coordinator refused to let node {self.node} join: {reply.get('reason')}")
+            raise JoinRefused(f"coordinator refused to let node {self.node} join: {reply.get('reason')}")
         self.slot, self.store, self.joined_epoch = reply["slot"], reply["store"], reply["epoch"]
         self._start_heartbeats()
         return self.slot

@@ -90,6 +90,8 @@ class Coordinator:
         self._decisions: dict[tuple[int, int], bool] = {}
         self.hashes: dict[int, dict[str, str]] = {}
         self.disagreements: list[tuple[int, dict[str, str]]] = []
+        self.terms: dict[str, str] | None = None  # what every node of the run agrees on (see _disagreement)
+        self.terms_node = ""
         self.refusals: list[str] = []
         self.evictions: list[str] = []
         self._stop = threading.Event()
@@ -200,6 +202,10 @@ class Coordinator:
             reason = f"node id {node!r} is already in use by a live node"
             self._refuse(route, reason)
             return {"op": "refused", "reason": reason}
+        reason = self._disagreement(node, message.get("terms"))
+        if reason is not None:
+            self._refuse(route, reason)
+            return {"op": "refused", "reason": reason}
         record = self.nodes.get(node)
         if record is None:
             used = {r.slot for r in self.nodes.values()}
@@ -215,6 +221,24 @@ class Coordinator:
             self.nodes[node] = record
             log.info("node %s joined (slot %d); it is admitted at the next outer step", node, slot)
         return {"op": "joined", "slot": record.slot, "epoch": self.epoch, "step": self.step, "store": self.store}
+
+    def _disagreement(self, node: str, terms: Any) -> str | None:
+        """Why a joining node may not join this run's terms (None: it may). The first node to join a coordinator
+        with no node sets the terms (a restarted coordinator: the first to join after the restart)."""
+        if not isinstance(terms, dict) or not terms:
+            return None  # a client that states none (the mesh's own tests)
+        if self.terms is None or not self.nodes:
+            self.terms, self.terms_node = dict(terms), node
+            return None
+        differing = sorted(k for k in self.terms.keys() | terms.keys() if self.terms.get(k) != terms.get(k))
+        if not differing:
+            return None
+        key = differing[0]
+        more = f" (and {len(differing) - 1} more: {', '.join(differing[1:4])}{', ...' if len(differing) > 4 else ''})"
+        return (f"node {node} does not agree with the run on {key}: {terms.get(key, 'nothing')} there, "
+                f"{self.terms.get(key, 'nothing')} in the run (as node {self.terms_node} joined it)"
+                f"{more if len(differing) > 1 else ''}; every node of a run must train the same recipe on the same "
+                f"data")
 
     def _on_heartbeat(self, route: bytes, message: dict) -> dict:
         if self._known(message) is None:

@@ -91,4 +91,8 @@ def check_request(message: dict[str, Any]) -> str:
     if bandwidth is not None and not (isinstance(bandwidth, dict) and all(
             isinstance(k, str) and isinstance(v, int | float) and v >= 0 for k, v in bandwidth.items())):
         raise BadMessage(f"{op}: bw must map node ids to non-negative rates")
+    terms = message.get("terms")
+    if terms is not None and not (isinstance(terms, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in terms.items())):
+        raise BadMessage(f"{op}: terms must map names to strings")
     return op

@@ -31,8 +31,9 @@ import attrs
 from openprime.ckpt import Checkpoint, list_steps
 from openprime.core.config import to_dict
 from openprime.core.distributed import host_store
+from openprime.core.errors import ConfigError
 from openprime.core.transport import Rendezvous
-from openprime.mesh import Coordinator
+from openprime.mesh import Coordinator, JoinRefused
 from openprime.train.checkpointing import checkpoint_root, parts_by_node
 from openprime.train.config import RunConfig
 from openprime.train.data import prepare_data
@@ -165,8 +166,10 @@ def node_main(cfg: RunConfig, node: int, coordinator: str, run_dir: pathlib.Path
         run_node(cfg, node=node, coordinator=coordinator, run_dir=run_dir, num_threads=num_threads, resume=resume,
                  local_rank=local_rank, local_rendezvous=local_rendezvous)
     except BaseException as e:
-        if not isinstance(e, SystemExit):
-            where = f"node {node}" + (f" local rank {local_rank}" if cfg.fsdp.sharded else "")
+        where = f"node {node}" + (f" local rank {local_rank}" if cfg.fsdp.sharded else "")
+        if isinstance(e, ConfigError | JoinRefused):  # the user's to fix, and the message says how: no traceback
+            print(f"[{where}] error: {e}", file=sys.stderr, flush=True)
+        elif not isinstance(e, SystemExit):
             print(f"[{where}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         sys.exit(e.code if isinstance(e, SystemExit) else 1)
 

@@ -66,6 +66,7 @@ from openprime.train.metrics import (
 from openprime.train.model import Llama, num_flops_per_token
 from openprime.train.optim import build_optimizer, clip_gradients
 from openprime.train.schedule import build_lr_scheduler
+from openprime.train.terms import run_terms
 from openprime.train.transports import codec_for, transport_factory
 
 
@@ -101,7 +102,7 @@ def join_mesh(cfg: RunConfig, coordinator: str, *, slot: int = -1, local_rank: i
     client = None
     if local_rank == 0:
         client = MeshClient(coordinator, cfg.mesh)
-        client.join(slot=slot)
+        client.join(slot=slot, terms=run_terms(cfg, prepare_data(cfg.data)))
     return ElasticDeviceMesh(client, transport_factory=transport_factory(cfg.transport, cfg.timeouts),
                              run_id=cfg.mesh.run_id, probe_bytes=cfg.mesh.probe_bytes,
                              probe_timeout_s=cfg.timeouts.op_s, local_rank=local_rank,
