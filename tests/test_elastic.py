@@ -16,6 +16,7 @@ import os
 import pathlib
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -141,6 +142,17 @@ def test_node_started_mid_run_is_admitted_at_the_next_outer_step(tmp_path, mode)
         assert admitted["outer_step"] == joined[0]["outer_step"]
     else:  # the joiner took part without state, got it after the commit and entered the step after
         assert admitted["outer_step"] == joined[0]["outer_step"] - 1
+    # The state (weights, outer momentum, AdamW moments: 4 x 1.84M fp32 values, 29 MB; an outer step's ring moves
+    # 7-10 MB a node) is in the outer records' bytes in both modes: in the joiner's first, and in the donor's for
+    # the outer step that admitted the joiner or (sent in the background, non-blocking) the one after.
+    assert joined[0]["bytes_received"] > 25e6
+
+    def beyond_the_ring(node: int) -> float:
+        mine = outer_records(records, node)
+        usual = statistics.median(r["bytes_sent"] for r in mine)
+        return sum(r["bytes_sent"] - usual for r in mine if 0 <= r["outer_step"] - admitted["outer_step"] <= 1)
+
+    assert max(beyond_the_ring(0), beyond_the_ring(1)) > 25e6
 
 
 # For the transfers over a slow link: every outer step's all-reduce crosses it too (int8: about 0.8 s for 3 nodes),

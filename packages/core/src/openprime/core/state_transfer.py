@@ -230,6 +230,7 @@ class StateFetch:
         self.tensors: dict[str, torch.Tensor] = {}
         self.received: set[int] = set()
         self.num_chunks_fetched = 0  # over all donors, for tests and logs
+        self.num_bytes_fetched = 0  # chunk bytes received, over all donors (a corrupt chunk's too)
         self.num_corrupt = 0
         self._layout: _Layout | None = None
 
@@ -305,6 +306,7 @@ class StateFetch:
         if got_index != index:
             raise StateCorrupt(f"donor {donor} sent chunk {got_index} where chunk {index} was expected")
         self.num_chunks_fetched += 1
+        self.num_bytes_fetched += sum(v.numel() for v in self._layout.views(views, index))
         if _checksum(self._layout.views(views, index)) != checksum:
             self.num_corrupt += 1
             log.warning("chunk %d of the state from donor %d does not match its checksum; it will be fetched again",

@@ -149,11 +149,11 @@ class DiLoCo:
 
     def sync(self, *, contribute: bool = True) -> OuterStepResult:
         """Run one outer step now. With `contribute=False` this node sends a zero pseudo-gradient."""
-        self.recovery.finish_background()
+        # A non-blocking joiner's state, sent in the background since the last commit, counts in this outer step.
+        sent, received = self.recovery.finish_background(), 0
         start = time.monotonic()
         step, attempt = self.num_outer_steps_done, 0
         self._received_state = False
-        sent = received = 0
         while True:
             rnd = self.membership.begin(step, attempt, state_hash=self._last_hash, hash_step=step - 1)
             step, attempt, t = rnd.step, rnd.attempt, rnd.transport  # a newcomer learns where the run is
@@ -181,7 +181,9 @@ class DiLoCo:
             self.state.copy_to_params()
         self.num_outer_steps_done = step + 1
         self._last_hash = self._verify(t)
-        self._after_commit(rnd)
+        received_before = self.recovery.bytes_received
+        self._after_commit(rnd)  # a non-blocking joiner receives the state here
+        received += self.recovery.bytes_received - received_before
         return self._result(step, num_contributors, t.world_size, attempt + 1, False, sent, received, all_reduce_s,
                             start)
 

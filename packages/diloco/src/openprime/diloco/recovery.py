@@ -60,8 +60,10 @@ class Recovery:
         self.origin = uuid.uuid4().hex  # which donor the own state came from: chunks of it are not mixed
         self.fetch = self._new_fetch()
         self.num_donated = 0
+        self.bytes_received = 0  # state chunk bytes received as a joiner, over the replica's life
         self._background: threading.Thread | None = None
         self._background_deadline = 0.0
+        self._background_bytes = 0  # state bytes the background thread sent (read after it is joined)
 
     def _new_fetch(self) -> StateFetch:
         """A joiner's fetch that receives theta and momentum straight into the host buffers."""
@@ -103,23 +105,35 @@ class Recovery:
                 try:
                     report = send_state(t, rank, offer, deadline=deadline)
                     self.num_donated += report.num_chunks
+                    self._background_bytes += report.num_bytes
                     log.info("sent the state of outer step %d to rank %d in the background (%.1f MB, %.2fs)",
                              offer.header["step"], rank, report.num_bytes / 1e6, report.seconds)
                 except OpenPrimeError as e:  # the joiner died: nothing else is affected
                     log.warning("background state transfer to rank %d failed: %s", rank, e)
 
-        self.finish_background()
+        self._join_background()
         self._background_deadline = deadline
         self._background = threading.Thread(target=run, name="diloco-donate", daemon=True)
         self._background.start()
 
-    def finish_background(self) -> None:
-        """Wait for a background send (bounded by its deadline) before the transport is used or replaced."""
+    def finish_background(self) -> int:
+        """Wait for a background send (bounded by its deadline) before the transport is used or replaced; returns
+        the state bytes it sent (a non-blocking joiner's state, sent after the commit: the caller counts them in
+        its next outer step)."""
+        if not self._join_background():
+            return 0  # still writing its count
+        sent, self._background_bytes = self._background_bytes, 0
+        return sent
+
+    def _join_background(self) -> bool:
+        """Wait for the background send, bounded by its deadline; False if it outlived it."""
         if self._background is not None:
             self._background.join(timeout=max(0.0, self._background_deadline - time.monotonic()) + 5.0)
             if self._background.is_alive():
                 log.error("the background state transfer outlived its deadline; continuing without it")
+                return False
             self._background = None
+        return True
 
     # ------------------------------------------------------------------ joiner
 
@@ -131,7 +145,12 @@ class Recovery:
         and its hash checks out; None while it is incomplete. PeerFailure propagates (progress kept for the
         next donor).
         """
-        if not self.fetch.fetch(t, donor, deadline=deadline, later=later, expected_hash=expected_hash):
+        fetch, before = self.fetch, self.fetch.num_bytes_fetched
+        try:
+            complete = fetch.fetch(t, donor, deadline=deadline, later=later, expected_hash=expected_hash)
+        finally:
+            self.bytes_received += fetch.num_bytes_fetched - before
+        if not complete:
             return None
         header = self.fetch.header
         received_hash = self.state.state_hash()

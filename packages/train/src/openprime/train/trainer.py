@@ -133,13 +133,16 @@ def catch_up(cfg: RunConfig, coordinator: str, diloco: DiLoCo, mesh: ElasticDevi
             mesh = join_mesh(cfg, coordinator, local_rank=mesh.local_rank, local_mesh=local_mesh)
             diloco.rejoin(mesh)
         try:
-            result = diloco.sync(contribute=False)
+            results = [diloco.sync(contribute=False)]
             while not diloco.has_state:  # the transfer broke (its donor died): finish it at the next outer step
                 say(f"[{mesh.node_id}] the state transfer did not complete; continuing it at the next outer step")
-                result = diloco.sync(contribute=False)
+                results.append(diloco.sync(contribute=False))
             if diloco.behind:  # non-blocking: got the state after the others moved on; join the next outer step
-                result = diloco.sit_out()
-            return mesh, result
+                results.append(diloco.sit_out())
+            # One record for the catching up: the last outer step, with the bytes of all of them (the state's).
+            return mesh, attrs.evolve(results[-1], bytes_sent=sum(r.bytes_sent for r in results),
+                                      bytes_received=sum(r.bytes_received for r in results),
+                                      received_state=any(r.received_state for r in results))
         except Evicted as e:
             say(f"[{mesh.node_id}] evicted while waiting to be admitted ({e}); registering again")
     raise OpenPrimeError(f"evicted {cfg.mesh.num_join_tries} times while waiting to be admitted; giving up")
