@@ -125,7 +125,8 @@ def catch_up(cfg: RunConfig, coordinator: str, diloco: DiLoCo, mesh: ElasticDevi
 
     After an eviction (`rejoin`) the node first registers again as a new node. A newcomer evicted while
     it waits (frozen, or the coordinator restarted and does not know it) registers again, up to
-    `mesh.num_join_tries` times.
+    `mesh.num_join_tries` times. Returns one result for the catching up: the last outer step's, with the bytes
+    of every outer step the node took part in and whether it received the state in any of them.
     """
     for attempt in range(cfg.mesh.num_join_tries):
         if rejoin or attempt:
