@@ -15,10 +15,8 @@ every wait of the membership is bounded by a short sync timeout so a stuck node 
 import os
 import pathlib
 import signal
-import socket
 import statistics
 import subprocess
-import sys
 import time
 
 import pytest
@@ -30,7 +28,15 @@ from openprime.train.testing import ELASTIC_FAST as FAST
 from openprime.train.testing import LONG_RUN as LONG
 from openprime.train.testing import MEDIUM_RUN as MEDIUM
 from openprime.train.testing import SHORT_RUN as SHORT
-from openprime.train.testing import outer_done, outer_records, run_records, wait_for, wait_until
+from openprime.train.testing import (
+    free_port,
+    outer_done,
+    outer_records,
+    run_records,
+    serve_coordinator,
+    wait_for,
+    wait_until,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -217,20 +223,12 @@ def test_two_of_four_killed_at_once(tmp_path):
     assert _members_after(launcher.run_dir, 0)[-1] == 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve(port: int, store_port: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "openprime.train.cli", "mesh", "serve", "--bind",
-                             f"tcp://127.0.0.1:{port}", "--store-port", str(store_port), "--min-nodes", "3",
-                             "--set", "heartbeat_interval_s=0.5"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return serve_coordinator(port, min_nodes=3, store_port=store_port, settings=("heartbeat_interval_s=0.5",))
 
 
 def test_coordinator_killed_and_restarted(tmp_path):
-    port, store_port = _free_port(), _free_port()
+    port, store_port = free_port(), free_port()
     coordinator = _serve(port, store_port)
     try:
         launcher = _start(tmp_path, 3, steps=MEDIUM, coordinator=f"127.0.0.1:{port}")

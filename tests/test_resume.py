@@ -8,10 +8,8 @@ with exactly the baseline's global-state hashes after every outer step and exact
 import contextlib
 import pathlib
 import shutil
-import socket
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -19,6 +17,7 @@ import torch
 from openprime.train.checkpointing import load_model_weights
 from openprime.train.metrics import read_records, summarize
 from openprime.train.model import Llama
+from openprime.train.testing import free_port, serve_coordinator, wait_for
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Sequences of 32 tokens, not 128: bit-identity does not need the compute (it made up most of these tests' time).
@@ -122,12 +121,8 @@ def test_export_of_a_run_loads_in_transformers_with_the_same_logits(stopped, tmp
 @contextlib.contextmanager
 def _coordinator(num_nodes: int):
     """A standalone coordinator (`openprime mesh serve`) for nodes launched on separate "machines"."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "openprime.train.cli", "mesh", "serve", "--bind",
-                             f"tcp://127.0.0.1:{port}", "--min-nodes", str(num_nodes)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    port = free_port()
+    proc = serve_coordinator(port, min_nodes=num_nodes)
     try:
         yield f"127.0.0.1:{port}"
     finally:
@@ -138,11 +133,13 @@ def _coordinator(num_nodes: int):
 def _started(run_dir: pathlib.Path, proc: subprocess.Popen, timeout_s: float = 120) -> None:
     """Wait until the node of a launch has joined and started (its "start" record), so that the next launch joins
     after it: data slots are granted in join order."""
-    deadline = time.monotonic() + timeout_s
-    metrics = run_dir / "metrics.jsonl"
-    while not (metrics.exists() and '"kind": "start"' in metrics.read_text()):
-        assert proc.poll() is None and time.monotonic() < deadline, "the launch ended or hung before its node started"
-        time.sleep(0.2)
+    def started(records: list[dict]) -> bool:
+        if any(r["kind"] == "start" for r in records):
+            return True
+        assert proc.poll() is None, "the launch ended before its node started"
+        return False
+
+    wait_for(run_dir, started, timeout_s)
 
 
 def _machines(*machines: tuple[pathlib.Path, tuple[str, ...]], first_alone: bool = False) -> list[str]:

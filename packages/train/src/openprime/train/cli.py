@@ -265,16 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = (args.run_dir or pathlib.Path("runs") / f"{cfg.name}-{stamp}").resolve()
     resume = None
     try:
+        _check_run_dir(args, cfg, run_dir)
         if args.resume:
             resume = _resume_from(args, cfg, run_dir)
-        elif (run_dir / "metrics.jsonl").exists() and not args.join:
-            from openprime.train.checkpointing import checkpoint_root
-
-            if list_steps(checkpoint_root(cfg.checkpoint, run_dir)):
-                raise ConfigError(f"{run_dir} already holds a run; continue it with --resume latest, "
-                                  f"or choose another --run-dir")
-            raise ConfigError(f"{run_dir} already holds a run that saved no checkpoint (it ended before its first "
-                              f"one): there is nothing to resume; choose another --run-dir, or remove this one")
     except OpenPrimeError as e:
         print(f"openprime: error: {e}", file=sys.stderr)
         return 2
@@ -283,17 +276,29 @@ def main(argv: list[str] | None = None) -> int:
     return launch(cfg, num_nodes=args.nodes, run_dir=run_dir, coordinator=args.join, resume=resume)
 
 
-def _resume_from(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path) -> Checkpoint:
-    """The checkpoint that `--resume` names, checked against the nodes asked for."""
-    from openprime.train.checkpointing import checkpoint_root, find_checkpoint, parts_by_node
+def _check_run_dir(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path) -> None:
+    """A run directory that holds a run is continued (`--resume latest`), not started again; one whose run saved no
+    checkpoint (it ended before its first) can be neither. A launch joining a run shares its directory freely."""
+    from openprime.train.checkpointing import checkpoint_root
 
-    if args.resume == "latest" and args.run_dir is None and not cfg.checkpoint.directory:
-        raise ConfigError("--resume latest needs the --run-dir of the run to continue")
-    if args.resume == "latest" and (run_dir / "metrics.jsonl").exists() and not list_steps(
-            checkpoint_root(cfg.checkpoint, run_dir)):
+    starts_here = args.resume == "latest" or not (args.resume or args.join)
+    if not starts_here or not (run_dir / "metrics.jsonl").exists():
+        return
+    if not list_steps(checkpoint_root(cfg.checkpoint, run_dir)):
         raise ConfigError(f"{run_dir} holds a run that saved no checkpoint (it ended before its first one, at inner "
                           f"step {cfg.checkpoint.interval_steps}): there is nothing to resume; start it again in "
                           f"another --run-dir, or remove this one")
+    if not args.resume:
+        raise ConfigError(f"{run_dir} already holds a run; continue it with --resume latest, "
+                          f"or choose another --run-dir")
+
+
+def _resume_from(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path) -> Checkpoint:
+    """The checkpoint that `--resume` names, checked against the nodes asked for."""
+    from openprime.train.checkpointing import find_checkpoint, parts_by_node
+
+    if args.resume == "latest" and args.run_dir is None and not cfg.checkpoint.directory:
+        raise ConfigError("--resume latest needs the --run-dir of the run to continue")
     found = find_checkpoint(args.resume, cfg.checkpoint, run_dir, num_nodes=args.nodes)
     nodes = parts_by_node(found)
     ranks = cfg.fsdp.num_local_ranks

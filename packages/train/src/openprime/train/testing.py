@@ -1,4 +1,5 @@
-"""Helpers for tests that watch a run's metrics while its node processes train (tests/test_elastic*.py).
+"""Helpers for tests that watch a run's metrics while its node processes train (tests/test_elastic*.py), and a
+standalone coordinator for nodes launched separately (tests/test_resume.py).
 
 Test modules run under --import-mode=importlib and cannot import each other, so what several of them need
 lives here, as openprime.core.testing does for the transports. Every wait is bounded.
@@ -8,6 +9,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import pathlib
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -70,3 +74,21 @@ def wait_until(condition: Callable[[], bool], timeout_s: float) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"condition not reached in {timeout_s}s"
         time.sleep(POLL_S)
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_coordinator(port: int, *, min_nodes: int, store_port: int | None = None,
+                      settings: Sequence[str] = ()) -> subprocess.Popen:
+    """`openprime mesh serve` as a subprocess at 127.0.0.1:`port` (output discarded): a coordinator that separate
+    launches join with `--join`, and that a test can kill and restart at the same ports. The caller stops it."""
+    store = ("--store-port", str(store_port)) if store_port is not None else ()
+    sets = [arg for setting in settings for arg in ("--set", setting)]
+    return subprocess.Popen([sys.executable, "-m", "openprime.train.cli", "mesh", "serve", "--bind",
+                             f"tcp://127.0.0.1:{port}", *store, "--min-nodes", str(min_nodes), *sets],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
