@@ -163,6 +163,18 @@ def test_prune_keeps_the_newest_and_removes_leftovers(tmp_path) -> None:
     assert list_steps(tmp_path) == [40, 60]
 
 
+def test_prune_never_removes_the_step_just_saved_nor_later_ones(tmp_path) -> None:
+    # The root holds steps 50 and 60 of another timeline; a run resumed from step 20 saves 30, then 40.
+    for step in (20, 50, 60):
+        write_part(tmp_path, step, "slot-0", make_state(step), parts=["slot-0"])
+    write_part(tmp_path, 30, "slot-0", make_state(30), parts=["slot-0"])
+    assert prune(tmp_path, "slot-0", num_keep=2, saved=30) == [50, 60]
+    assert list_steps(tmp_path) == [20, 30, 50, 60]  # by step number alone, 20 and 30 (just saved) would go
+    write_part(tmp_path, 40, "slot-0", make_state(40), parts=["slot-0"])
+    assert prune(tmp_path, "slot-0", num_keep=2, saved=40) == [50, 60]
+    assert list_steps(tmp_path) == [30, 40, 50, 60]
+
+
 def test_snapshot_reuses_an_earlier_snapshot_memory() -> None:
     from openprime.ckpt.state import snapshot
 

@@ -119,6 +119,74 @@ def test_first_view_of_a_fresh_run_lists_no_node_as_new(coordinator):
     _close(clients)
 
 
+def _run_whose_nodes_are_gone(coordinator):
+    """Two nodes finish outer steps 0 and 1, then both leave: the coordinator knows a run at outer step 2."""
+    clients = _clients(coordinator, 2)
+    for step in (0, 1):
+        run_threads([lambda c=c, s=step: c.sync(s, state_hash=f"h{s - 1}", hash_step=s - 1) for c in clients])
+        run_threads([lambda c=c, s=step: c.commit(s, 0, True) for c in clients])
+    run_threads([lambda c=c: c.sync(2, state_hash="h1", hash_step=1) for c in clients])
+    _close(clients)
+    while coordinator.nodes:
+        time.sleep(0.02)
+
+
+def test_nodes_joining_a_run_no_live_node_holds_are_refused_at_the_barrier(coordinator):
+    # Every node of the run is gone; two nodes join it without its state (no --resume). Before, each waited for a
+    # donor at every outer step forever; now both are told how to go on.
+    _run_whose_nodes_are_gone(coordinator)
+    late = [MeshClient(coordinator.address, FAST, node_id=f"late-{i}") for i in range(2)]
+    for c in late:
+        c.join()
+    assert all(c.joined_epoch > 0 for c in late)  # the run is under way: each takes the state as a newcomer
+
+    def stateless_sync(c):
+        with pytest.raises(JoinRefused, match=r"no node holding the run's state is left \(the run reached outer step "
+                                              r"3; .*--resume latest.*restart the coordinator"):
+            c.sync(0, stateless=True)
+        return time.monotonic()
+
+    start = time.monotonic()
+    refused_at = run_threads([lambda c=c: stateless_sync(c) for c in late])
+    assert max(refused_at) - start < FAST.sync_timeout_s / 2  # at once, not at the sync deadline
+    assert not coordinator.nodes and len(coordinator.refusals) == 2
+    _close(late)
+
+
+def test_a_member_left_without_state_and_without_a_donor_is_refused(coordinator):
+    # A member whose state transfer broke when its donor, the last holder, died: no node can send it the state.
+    clients = _clients(coordinator, 2)
+    run_threads([lambda c=c: c.sync(0) for c in clients])
+    run_threads([lambda c=c: c.commit(0, 0, True) for c in clients])
+    clients[0].close()
+    with pytest.raises(JoinRefused, match="no node holding the run's state is left"):
+        clients[1].sync(1, stateless=True)
+    assert not coordinator.nodes
+    _close(clients)
+
+
+def test_a_stateless_joiner_waits_for_a_resumed_node_and_takes_its_state(coordinator):
+    # The run's machines restart: one joins without a checkpoint and reaches the barrier at once, the other resumes
+    # outer step 2 and arrives after its inner steps. The first view waits for it and makes it the donor.
+    _run_whose_nodes_are_gone(coordinator)
+    coordinator.config = attrs.evolve(coordinator.config, min_nodes=1)
+    fresh, resumed = (MeshClient(coordinator.address, FAST, node_id=n) for n in ("fresh", "resumed"))
+    fresh.join()
+    resumed.join(slot=1)
+
+    def resumed_sync():
+        while "fresh" not in coordinator._waiting:
+            time.sleep(0.01)
+        time.sleep(0.5)  # its inner steps: the barrier neither forms without it nor refuses the fresh node
+        return resumed.sync(2, state_hash="h1", hash_step=1)
+
+    views = run_threads([lambda: fresh.sync(0, stateless=True), resumed_sync])
+    assert views[0] == views[1] and views[0].step == 2 and views[0].new == ("fresh",)
+    assert views[0].state_hash is None or views[0].state_hash == "h1"
+    assert not coordinator.refusals
+    _close([fresh, resumed])
+
+
 def test_a_node_that_disagrees_with_the_run_is_refused_naming_what_differs(coordinator):
     terms = {"model.dim": "128", "optim.lr": "0.003", "data.tokens": "ab12"}
     first = MeshClient(coordinator.address, FAST, node_id="first")
@@ -130,7 +198,8 @@ def test_a_node_that_disagrees_with_the_run_is_refused_naming_what_differs(coord
                                              r"ab12 in the run \(as node first joined it\) \(and 1 more: optim.lr\)"):
         other.join(terms={**terms, "optim.lr": "0.001", "data.tokens": "ff00"})
     assert "other" not in coordinator.nodes and len(coordinator.refusals) == 1
-    # A coordinator whose nodes all left serves the next run, whatever its terms.
+    # A coordinator whose nodes all left lets the next run's nodes join whatever their terms (and refuses them at the
+    # barrier, test_nodes_joining_a_run_no_live_node_holds_are_refused_at_the_barrier, unless they resume).
     _close([first, same])
     while coordinator.nodes:
         time.sleep(0.05)

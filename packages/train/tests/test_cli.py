@@ -80,6 +80,50 @@ def test_a_run_that_saved_no_checkpoint_is_neither_resumed_nor_overwritten(capsy
     assert "already holds a run; continue it with --resume latest" in capsys.readouterr().err
 
 
+def test_a_launch_joining_a_run_may_share_only_the_live_run_s_directory(capsys, tmp_path, monkeypatch):
+    # Found by hand: a `--join` launch into the directory of a finished run appended its records to that run's, and
+    # its first checkpoints were pruned at once as older than that run's newest; the hint then named the old run's.
+    from openprime.mesh import Coordinator, MeshClient
+
+    launched = []
+    monkeypatch.setattr("openprime.train.launcher.launch", lambda cfg, **kw: launched.append(kw) or 0)
+    mesh = recipe_config(DEBUG, []).mesh
+    coordinator = Coordinator(mesh).start()
+    live = MeshClient(coordinator.address, mesh, node_id="live-node")
+    try:
+        live.join()
+        run_dir = tmp_path / "run"
+        run_dir.mkdir()
+        metrics = run_dir / "metrics.jsonl"
+        metrics.write_text('{"kind": "start", "node": 0, "node_id": "gone-node"}\n')
+        join = ["run", DEBUG, "--run-dir", str(run_dir), "--join", coordinator.address]
+        assert main(join) == 2 and not launched
+        err = capsys.readouterr().err
+        assert f"{run_dir} holds a run whose nodes are not in the run at {coordinator.address}: continue that run " \
+               f"with --resume latest, or give this launch another --run-dir" in err, err
+        # The directory of the run being joined (another launch of it, on the same disk, started there): shared.
+        metrics.write_text(metrics.read_text() + '{"kind": "start", "node": 0, "node_id": "live-node"}\n')
+        assert main(join) == 0 and len(launched) == 1
+    finally:
+        live.close()
+        coordinator.stop()
+
+
+def test_resuming_an_older_step_than_the_run_directory_holds_is_refused(capsys, tmp_path):
+    # A rollback (`--resume PATH` of an older step) into the root that holds later steps: the later ones would be
+    # another timeline mixed with this run's saves, and a crash would resume them.
+    from openprime.ckpt import write_part
+
+    root = tmp_path / "run" / "checkpoints"
+    for step in (20, 40):
+        write_part(root, step, "slot-0", {"model": {"w": torch.zeros(2)}}, parts=["slot-0"])
+    older = root / "step-00000020"
+    assert main(["run", DEBUG, "--nodes", "1", "--run-dir", str(tmp_path / "run"), "--resume", str(older)]) == 2
+    err = capsys.readouterr().err
+    assert f"holds checkpoints of steps [40] after the one resumed ({older}, step 20)" in err, err
+    assert "Move them out of" in err
+
+
 def test_nodes_must_be_positive(capsys, tmp_path):
     assert "--nodes must be >= 1" in _fails(capsys, tmp_path, DEBUG, "--nodes", "0")
 

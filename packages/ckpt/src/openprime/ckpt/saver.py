@@ -93,7 +93,11 @@ class Checkpointer:
                                            total_s=time.monotonic() - start, error=cause))
             return
         try:
-            prune(self.root, self.part, num_keep=self.num_keep)
+            later = prune(self.root, self.part, num_keep=self.num_keep, saved=step)
+            if later:
+                log.warning("checkpoints of later steps %s under %s are left alone: they are not this run's timeline "
+                            "(it resumed from an older step), and `--resume latest` takes the newest complete one",
+                            later, self.root)
         except OSError as e:
             log.warning("could not prune old checkpoints under %s: %s", self.root, e)
         self.results.append(SaveResult(step=step, path=path, blocking_s=blocking_s, total_s=time.monotonic() - start))

@@ -260,14 +260,18 @@ def resolve(path: pathlib.Path, *, checksums: bool = True, enough: PartsCheck | 
     return latest(path, checksums=checksums, enough=enough)
 
 
-def prune(root: pathlib.Path, part: str, *, num_keep: int) -> None:
+def prune(root: pathlib.Path, part: str, *, num_keep: int, saved: int | None = None) -> list[int]:
     """Delete this part from all but the newest `num_keep` steps, with leftovers of this part's failed saves.
 
     A step directory is removed once no part is left in it. Called after a save succeeded (no save of
-    this part is running then), so the newest complete checkpoint is never among those removed.
+    this part is running then), so the newest complete checkpoint is never among those removed. `saved`: the
+    step just saved, which is kept, with the `num_keep - 1` before it; steps after it are another timeline's
+    (a run resumed from an older checkpoint) and are left alone. Returns those later steps.
     """
     steps = list_steps(root)
-    old = set(steps[:-num_keep])
+    later = [s for s in steps if saved is not None and s > saved]
+    kept = [s for s in steps if s not in later]
+    old = set(kept[:-num_keep])
     for step in steps:
         path = step_dir(root, step)
         for leftover in path.glob(f"{TMP_PREFIX}{part}-*"):  # no save of this part is running now
@@ -276,3 +280,4 @@ def prune(root: pathlib.Path, part: str, *, num_keep: int) -> None:
             shutil.rmtree(path / part, ignore_errors=True)
         with contextlib.suppress(OSError):
             path.rmdir()  # fails while other parts remain: their nodes prune them
+    return later

@@ -160,6 +160,9 @@ class MeshClient:
             extra["bw"] = bandwidth
         with self._lock:
             reply = self._request(self._sock, "sync", deadline, step=step, attempt=attempt, **extra)
+        if reply.get("op") == "refused":
+            self.evicted = True  # no longer a node of the run: nothing to say goodbye to
+            raise JoinRefused(f"coordinator refused node {self.node} at the outer-step barrier: {reply.get('reason')}")
         view = View(epoch=reply["epoch"], members=tuple(reply["members"]), new=tuple(reply["new"]),
                     step=reply["step"], attempt=reply["attempt"], skip=reply["skip"],
                     slots=tuple((n, s) for n, s in reply["slots"]), state_hash=reply.get("state_hash"))

@@ -331,15 +331,10 @@ class Coordinator:
         arrivals = [self._waiting[m][2] for m in live_members] or [self._waiting[j][2] for j in joiners]
         step = max(a["step"] for a in arrivals)
         attempt = max(a["attempt"] for a in arrivals if a["step"] == step)
-        members = self._ring_order(live_members, joiners)
-        if members != self.members:
-            self.epoch += 1  # a new set, or the same set in a new order: either way new groups
-        self.members, self.step = members, step
-        skip = attempt >= self.config.num_all_reduce_tries
         # Members that report no state (a transfer that broke, or a node admitted earlier without it) get it
         # from a donor at this barrier, as joiners do.
         stateless = [m for m in live_members if self._waiting[m][2].get("stateless") is True]
-        holders = live_members
+        holders = [m for m in live_members if m not in stateless]
         new = joiners + stateless
         if not live_members:
             # The first view: every node a joiner. Nodes resumed from checkpoints of different steps (one machine
@@ -347,10 +342,18 @@ class Coordinator:
             # of a node at the newest step, as joiners of a run under way do; the others start together.
             holders = [j for j in joiners if self._waiting[j][2]["step"] == step
                        and self._waiting[j][2].get("stateless") is not True]
-            new = [j for j in joiners if j not in holders] if holders else joiners
+            new = [j for j in joiners if j not in holders]
             if holders and new:
                 log.warning("outer step %d: %s resume from older states than %s (or none); they take the state "
                             "from a node at the newest step", step, new, holders)
+        if not holders:
+            self._no_state_left(live_members + joiners)
+            return
+        members = self._ring_order(live_members, joiners)
+        if members != self.members:
+            self.epoch += 1  # a new set, or the same set in a new order: either way new groups
+        self.members, self.step = members, step
+        skip = attempt >= self.config.num_all_reduce_tries
         # The hash the state holders agree their state has (after the previous outer step): the new nodes
         # check what a donor sends them against it.
         reported = {self.hashes.get(step - 1, {}).get(m) for m in holders} - {None}
@@ -366,6 +369,25 @@ class Coordinator:
         self._barrier_opened = None
         log.info("outer step %d try %d: epoch %d, %d nodes%s%s", step, attempt, self.epoch, len(members),
                  f", admitted {joiners}" if joiners and live_members else "", ", SKIPPED" if skip else "")
+
+    def _no_state_left(self, waiting: list[str]) -> None:
+        """Every node at the barrier lacks the run's state (`stateless`: joined a run under way without it, or
+        its transfer broke) and no member holds it: no node left does. Wait for joined nodes not yet at the barrier
+        (nodes resumed from checkpoints arrive after their inner steps); with none, refuse the waiting ones, who
+        would otherwise wait for a donor at every outer step forever."""
+        if any(n not in self._waiting for n in self.nodes):
+            return
+        reason = (f"no node holding the run's state is left (the run reached outer step {self.step + 1}; its nodes are "
+                  f"gone) and the {len(waiting)} node(s) waiting joined it without that state: continue the run by "
+                  f"starting its machines again with `--resume latest` (each from its own checkpoints), or restart "
+                  f"the coordinator (`openprime mesh serve`) to start a new run")
+        log.error("outer step %d: %s (refused: %s)", self.step, reason, waiting)
+        for node in waiting:
+            route, req, _ = self._waiting.pop(node)
+            self.nodes.pop(node, None)
+            self.refusals.append(reason)
+            self._reply(route, req, {"op": "refused", "reason": reason})
+        self._barrier_opened = None
 
     def _try_commit(self) -> None:
         committee = self._committee

@@ -26,7 +26,7 @@ from openprime.core.errors import OpenPrimeError, PeerFailure
 from openprime.core.membership import Membership, Round
 from openprime.core.transport import Handle, Rendezvous, Transport, TransportFactory
 from openprime.mesh.bandwidth import probe_bandwidth
-from openprime.mesh.client import Evicted, MeshClient, View
+from openprime.mesh.client import Evicted, JoinRefused, MeshClient, View
 
 log = logging.getLogger("openprime.mesh.elastic")
 
@@ -93,7 +93,8 @@ class ElasticDeviceMesh(Membership):
                 reply = {"error": type(e).__name__, "message": e.reason if isinstance(e, PeerFailure) else str(e)}
         shared = self._share(reply)
         if "error" in shared:
-            error = {"Evicted": Evicted, "PeerFailure": None}.get(shared["error"], OpenPrimeError)
+            errors = {"Evicted": Evicted, "JoinRefused": JoinRefused, "PeerFailure": None}
+            error = errors.get(shared["error"], OpenPrimeError)
             raise PeerFailure(-1, shared["message"]) if error is None else error(shared["message"])
         return shared["ok"]
 

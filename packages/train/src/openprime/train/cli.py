@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import json
 import pathlib
 import signal
 import sys
@@ -278,11 +279,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def _check_run_dir(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path) -> None:
     """A run directory that holds a run is continued (`--resume latest`), not started again; one whose run saved no
-    checkpoint (it ended before its first) can be neither. A launch joining a run shares its directory freely."""
+    checkpoint (it ended before its first) can be neither. A launch joining a run without a checkpoint may share
+    the directory of the run it joins (one disk for several launches), and no other run's: its nodes' records and
+    checkpoints would mix with that run's, and its first saves would be pruned as older than that run's newest."""
     from openprime.train.checkpointing import checkpoint_root
 
-    starts_here = args.resume == "latest" or not (args.resume or args.join)
-    if not starts_here or not (run_dir / "metrics.jsonl").exists():
+    if args.join and not args.resume:
+        _check_shared_run_dir(cfg, run_dir, args.join)
+        return
+    if args.resume not in (None, "latest") or not (run_dir / "metrics.jsonl").exists():
         return
     if not list_steps(checkpoint_root(cfg.checkpoint, run_dir)):
         raise ConfigError(f"{run_dir} holds a run that saved no checkpoint (it ended before its first one, at inner "
@@ -293,13 +298,48 @@ def _check_run_dir(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Pa
                           f"or choose another --run-dir")
 
 
+def _check_shared_run_dir(cfg: RunConfig, run_dir: pathlib.Path, coordinator: str) -> None:
+    """A fresh launch joining `coordinator` may write into `run_dir` only if the run there is the live one."""
+    from openprime.mesh import MeshClient
+
+    node_ids = _node_ids(run_dir / "metrics.jsonl")
+    if not node_ids:
+        return
+    client = MeshClient(coordinator, cfg.mesh, node_id="cli-run-dir-check")
+    try:
+        live = set(client.status()["nodes"])
+    except OpenPrimeError as e:
+        raise ConfigError(f"could not ask the coordinator at {coordinator} whether the run in {run_dir} is the one "
+                          f"being joined: {e}") from e
+    finally:
+        client.close(leave=False)
+    if not live & node_ids:
+        raise ConfigError(f"{run_dir} holds a run whose nodes are not in the run at {coordinator}: continue that run "
+                          f"with --resume latest, or give this launch another --run-dir")
+
+
+def _node_ids(metrics: pathlib.Path) -> set[str]:
+    """The node ids of the "start" records of a metrics file (none if there is no file)."""
+    if not metrics.exists():
+        return set()
+    with metrics.open() as f:
+        return {json.loads(line).get("node_id", "") for line in f if '"kind": "start"' in line} - {""}
+
+
 def _resume_from(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path) -> Checkpoint:
     """The checkpoint that `--resume` names, checked against the nodes asked for."""
-    from openprime.train.checkpointing import find_checkpoint, parts_by_node
+    from openprime.train.checkpointing import checkpoint_root, find_checkpoint, parts_by_node
 
     if args.resume == "latest" and args.run_dir is None and not cfg.checkpoint.directory:
         raise ConfigError("--resume latest needs the --run-dir of the run to continue")
     found = find_checkpoint(args.resume, cfg.checkpoint, run_dir, num_nodes=args.nodes)
+    root = checkpoint_root(cfg.checkpoint, run_dir)
+    later = [step for step in list_steps(root) if step > found.step]
+    if args.resume != "latest" and later:
+        raise ConfigError(f"{root}, where this run saves, holds checkpoints of steps {later} after the one resumed "
+                          f"({found.path}, step {found.step}): this run's saves would mix with them, and a later "
+                          f"--resume latest would continue from them. Move them out of {root} (they are another "
+                          f"timeline of the run), or give this run another --run-dir")
     nodes = parts_by_node(found)
     ranks = cfg.fsdp.num_local_ranks
     if len(nodes[0]) != ranks:
