@@ -8,6 +8,7 @@ with exactly the baseline's global-state hashes after every outer step and exact
 import contextlib
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -94,6 +95,30 @@ def test_a_corrupt_checkpoint_falls_back_to_the_previous_one(baseline, stopped, 
     assert "falling back to the previous one" in proc.stderr
     assert "step-00000020" in proc.stdout
     assert summarize(run_dir).distinct_hashes[6] == summarize(baseline).distinct_hashes[6]  # from 20 to the same end
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_nodes_and_says_how_to_continue(baseline, tmp_path):
+    """SIGINT to `openprime run` (Ctrl-C) after its first checkpoint: the nodes leave, the command exits 130 naming
+    the newest checkpoint and the command that continues the run, and that command ends where the baseline does."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "openprime.train.cli", "run", str(ROOT / "recipes" / "debug.py"),
+                             "--run-dir", str(run_dir), *SHORT], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        wait_for(run_dir, lambda records: any(r["kind"] == "checkpoint" for r in records), timeout_s=120)
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert proc.returncode == 130, out[-3000:]
+    assert "openprime: interrupted; stopping the nodes (they leave gracefully)" in out
+    assert f"continue with `openprime run RECIPE --nodes 2 --run-dir {run_dir} --resume latest`" in out
+    assert "Traceback" not in out, out[-3000:]
+    _run(run_dir, "--resume", "latest")
+    final = max(summarize(baseline).distinct_hashes)
+    assert summarize(run_dir).distinct_hashes[final] == summarize(baseline).distinct_hashes[final]
 
 
 def test_resume_refuses_another_model_before_starting(stopped, tmp_path):

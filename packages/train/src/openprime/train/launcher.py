@@ -290,20 +290,24 @@ def launch(cfg: RunConfig, *, num_nodes: int, run_dir: pathlib.Path, coordinator
     start = time.monotonic()
     print(f"openprime: starting {num_nodes} node(s) of {cfg.name!r}; coordinator {launcher.coordinator}; "
           f"run directory {run_dir}" + (f"; resuming from {resume.path}" if resume else ""), flush=True)
+    codes: dict[int, int] | None = None
     try:
         for _ in range(num_nodes):
             launcher.start_node()
         codes = launcher.wait()
     except KeyboardInterrupt:
         print("openprime: interrupted; stopping the nodes (they leave gracefully)", file=sys.stderr)
-        return 130
     finally:
         launcher.stop()
+    if codes is None:
+        _print_checkpoints(cfg, run_dir, num_nodes=num_nodes, joined=coordinator)
+        return 130
     failed = {n: c for n, c in codes.items() if c != 0}
     for node, code in failed.items():
         print(f"openprime: node {node} exited with code {code}; the others went on without it", file=sys.stderr)
     if len(failed) == len(codes):
         print("openprime: run failed: no node finished. See the log above.", file=sys.stderr)
+        _print_checkpoints(cfg, run_dir, num_nodes=num_nodes, joined=coordinator)
         return 1
     _print_summary(cfg, run_dir, time.monotonic() - start, num_nodes=num_nodes, joined=coordinator)
     return 0
@@ -318,6 +322,11 @@ def _print_summary(cfg: RunConfig, run_dir: pathlib.Path, elapsed_s: float, *, n
         print(f"  node {node}: loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps, "
               f"sent {s.bytes_sent.get(node, 0):,} bytes")
     print(f"  metrics: {run_dir / 'metrics.jsonl'}  config: {run_dir / 'config.json'}")
+    _print_checkpoints(cfg, run_dir, num_nodes=num_nodes, joined=joined)
+
+
+def _print_checkpoints(cfg: RunConfig, run_dir: pathlib.Path, *, num_nodes: int, joined: str | None) -> None:
+    """Where the run's checkpoints are and the command that continues it (after an end, a failure or Ctrl-C)."""
     root = checkpoint_root(cfg.checkpoint, run_dir)
     steps = list_steps(root)
     if steps:
