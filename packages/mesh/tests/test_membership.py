@@ -224,6 +224,38 @@ def test_coordinator_restart_keeps_the_run(coordinator):
         reborn.stop()
 
 
+def test_a_restarted_coordinator_learns_the_run_s_terms_from_its_members(coordinator):
+    terms = {"model.dim": "128", "optim.lr": "0.003"}
+    clients = _clients(coordinator, 2)
+    for c in clients:
+        c.terms = dict(terms)  # as join(terms=...) keeps them
+    run_threads([lambda c=c: c.sync(0) for c in clients])
+    run_threads([lambda c=c: c.commit(0, 0, True) for c in clients])
+    for c in clients:  # the members stay quiet until their next outer step: the restart's window is open longer
+        c._stop.set()
+        c._heartbeats.join()
+    address = coordinator.address
+    coordinator.stop()
+    time.sleep(0.3)
+    reborn = Coordinator(FAST, bind=address).start()
+    intruder = MeshClient(address, FAST, node_id="intruder")
+    try:
+        intruder.join(terms={**terms, "optim.lr": "0.1"})  # first to reach the new coordinator: it cannot know yet
+        views = run_threads([lambda c=c: c.sync(1) for c in clients])  # the members report: the run's terms
+        assert views[0].members == ("node-0", "node-1") and reborn.terms == terms
+        assert "intruder" not in reborn.nodes  # it agreed to no terms of the run
+        with pytest.raises(Evicted):
+            intruder.sync(0, stateless=True)
+        again, agrees = MeshClient(address, FAST, node_id="intruder-again"), MeshClient(address, FAST, node_id="agrees")
+        with pytest.raises(JoinRefused, match=r"does not agree with the run on optim.lr: 0.1 there, 0.003 in the run"):
+            again.join(terms={**terms, "optim.lr": "0.1"})
+        agrees.join(terms=dict(terms))
+        _close([again, agrees])
+    finally:
+        _close([*clients, intruder])
+        reborn.stop()
+
+
 def test_hash_disagreement_is_reported(coordinator):
     clients = _clients(coordinator, 2)
     run_threads([lambda c=c: c.sync(0) for c in clients])

@@ -78,6 +78,8 @@ class MeshClient:
         self.store = ""  # host:port of the rendezvous store the coordinator hosts
         self.joined_epoch = 0  # the run's epoch when this node joined: 0 means the run had not started
         self.view: View | None = None
+        self.terms: dict[str, str] = {}  # what this node agrees to (join); heartbeats and syncs carry it, so that a
+        # restarted coordinator learns the run's terms from its members
         self.evicted = False
         self._secret = AuthConfig(run_id=config.run_id, secret_file=config.secret_file).load_secret()
         self._ctx = zmq.Context()
@@ -94,6 +96,9 @@ class MeshClient:
         return sock
 
     # ------------------------------------------------------------------ requests
+
+    def _terms(self) -> dict[str, Any]:
+        return {"terms": self.terms} if self.terms else {}
 
     def _belief(self) -> dict[str, Any]:
         view = self.view
@@ -134,9 +139,9 @@ class MeshClient:
         on (name -> value); the coordinator refuses a node whose terms differ from the run's, naming the first.
         """
         deadline = time.monotonic() + (timeout_s or self.config.sync_timeout_s)
-        self.slot = slot
+        self.slot, self.terms = slot, dict(terms or {})
         with self._lock:
-            reply = self._request(self._sock, "join", deadline, **({"terms": dict(terms)} if terms else {}))
+            reply = self._request(self._sock, "join", deadline, **self._terms())
         if reply.get("op") != "joined":
             raise JoinRefused(f"coordinator refused to let node {self.node} join: {reply.get('reason')}")
         self.slot, self.store, self.joined_epoch = reply["slot"], reply["store"], reply["epoch"]
@@ -154,6 +159,7 @@ class MeshClient:
         """
         deadline = time.monotonic() + self.config.sync_timeout_s
         extra: dict[str, Any] = {"hash": state_hash, "hash_step": hash_step} if state_hash is not None else {}
+        extra.update(self._terms())
         if stateless:
             extra["stateless"] = True
         if bandwidth:
@@ -193,7 +199,8 @@ class MeshClient:
         try:
             while not self._stop.wait(self.config.heartbeat_interval_s):
                 try:
-                    self._request(sock, "heartbeat", time.monotonic() + self.config.heartbeat_interval_s)
+                    self._request(sock, "heartbeat", time.monotonic() + self.config.heartbeat_interval_s,
+                                  **self._terms())
                 except Evicted:
                     log.warning("node %s: the coordinator evicted this node", self.node)
                     return

@@ -163,6 +163,9 @@ class Coordinator:
         if message["epoch"] > self.epoch and node in message["members"] and self._may_adopt():
             self._adopt(message)
             record = self.nodes.get(node)
+        terms = message.get("terms")
+        if terms and record is not None and self.terms is None:
+            self.terms, self.terms_node = dict(terms), node  # a restarted coordinator learns them from a member
         if record is None:
             return None
         record.incarnation = incarnation
@@ -182,6 +185,14 @@ class Coordinator:
         log.warning("coordinator adopts epoch %d with members %s from node %s (coordinator restarted?)",
                     message["epoch"], message["members"], message["node"])
         self.epoch, self.members, self.step = message["epoch"], list(message["members"]), message["step"]
+        terms = message.get("terms")
+        if terms and terms != self.terms:
+            # Nodes that joined this coordinator before the run reported back agreed to no terms of the run (the
+            # first of them set its own): they join again, and are checked against the run's.
+            for node in [n for n in self.nodes if n not in self.members]:
+                self._remove(node, "joined the restarted coordinator before the run's members reported back; it "
+                                   "joins again under the run's terms")
+            self.terms, self.terms_node = dict(terms), message["node"]
         now = time.monotonic()
         for i, node in enumerate(self.members):
             if node not in self.nodes:
@@ -224,7 +235,8 @@ class Coordinator:
 
     def _disagreement(self, node: str, terms: Any) -> str | None:
         """Why a joining node may not join this run's terms (None: it may). The first node to join a coordinator
-        with no node sets the terms (a restarted coordinator: the first to join after the restart)."""
+        with no node sets the terms. A restarted coordinator learns the run's from the first member that reports
+        (heartbeats and syncs carry them); a node that joined it before, under other terms, joins again."""
         if not isinstance(terms, dict) or not terms:
             return None  # a client that states none (the mesh's own tests)
         if self.terms is None or not self.nodes:
