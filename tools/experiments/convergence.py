@@ -33,7 +33,8 @@ train.num_eval_batches); for DiLoCo that is right after the outer step, i.e. of 
 
 What is measured, from the nodes' metrics (RUN/metrics.jsonl): the validation loss at the end and along the
 way; bytes on the wire, the sum over nodes of the transports' byte counters of every outer step (for data
-parallel: every step), including, for the killed variant, the state sent to the replacement; wall time from
+parallel: every step), including, for the killed variant, the state sent to the replacement (bandwidth probes
+are off, mesh.probe_bytes=0: all links are loopback; the records would count them); wall time from
 starting the nodes to the last one's exit. Tokens on the x axis are the tokens all nodes trained, counted
 from their step records (the killed node's steps since the last outer step count, lost as they are; the
 replacement trained none while it waited to be admitted).
@@ -173,6 +174,9 @@ def overrides(s: Settings, v: Variant, extra: Sequence[str] = ()) -> list[str]:
         f"schedule.num_warmup_steps={s.num_warmup_steps}",
         f"schedule.num_decay_steps={s.num_decay_steps}",
         f"mesh.max_nodes={nodes}",
+        # No bandwidth probes: every link here is loopback, so the ring order has nothing to gain, and the probes'
+        # 4 MiB per link per new group would be most of DiLoCo's bytes at this model size (the records count them).
+        "mesh.probe_bytes=0",
         f"train.strategy={v.strategy}",
         f"diloco.compression={v.compression}",
         # Evicted 3 s after the kill rather than 6: the replacement can be admitted sooner.

@@ -286,12 +286,19 @@ def test_measured_bandwidth_reorders_the_ring(coordinator):
 
 def test_probe_measures_every_link():
     from openprime.core.testing import local_group
-    from openprime.mesh.bandwidth import probe_bandwidth
+    from openprime.mesh.bandwidth import ProbeBytes, probe_bandwidth
 
     group = local_group(3)
-    rates = run_threads([lambda t=t: probe_bandwidth(t, 1 << 16, deadline=time.monotonic() + 10) for t in group])
+    moved = [ProbeBytes() for _ in group]
+    rates = run_threads([lambda t=t, m=m: probe_bandwidth(t, 1 << 16, deadline=time.monotonic() + 10, moved=m)
+                         for t, m in zip(group, moved, strict=True)])
     assert [sorted(r) for r in rates] == [[1, 2], [0, 2], [0, 1]]
     assert all(v > 0 for r in rates for v in r.values())
+    # What the outer-step records count: a start byte and the probe, to and from each of the 2 others; the
+    # transport's counters add only its framing (4 messages each way).
+    assert all(m.sent == m.received == 2 * (1 + (1 << 16)) for m in moved)
+    assert all(0 <= t.bytes_sent - m.sent <= 4 * 64 and 0 <= t.bytes_received - m.received <= 4 * 64
+               for t, m in zip(group, moved, strict=True))
 
 
 def test_member_alive_but_absent_from_the_barrier_is_evicted_as_a_straggler():

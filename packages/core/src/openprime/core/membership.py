@@ -29,6 +29,10 @@ class Round:
     new_ranks: tuple[int, ...] = ()  # members admitted at this barrier: they receive the state first
     donor_rank: int = 0  # the member that sends them the state
     state_hash: str | None = None  # the hash the members agreed on after the previous outer step, if known
+    # Bytes this node's membership moved since the last round outside any outer step (bandwidth probes): real
+    # traffic, which the caller counts in this outer step's record.
+    side_bytes_sent: int = 0
+    side_bytes_received: int = 0
 
 
 class Membership(ABC):

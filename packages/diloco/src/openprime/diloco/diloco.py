@@ -157,6 +157,7 @@ class DiLoCo:
         while True:
             rnd = self.membership.begin(step, attempt, state_hash=self._last_hash, hash_step=step - 1)
             step, attempt, t = rnd.step, rnd.attempt, rnd.transport  # a newcomer learns where the run is
+            sent, received = sent + rnd.side_bytes_sent, received + rnd.side_bytes_received  # bandwidth probes
             if t.rank in rnd.new_ranks:
                 # Listed as new: this member takes the state from the donor, even one that holds a state of its
                 # own (a node whose other local ranks lost theirs, or one resumed from a checkpoint that joined

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 
+import attrs
 import torch
 
 from openprime.core.transport import Transport
@@ -21,8 +22,19 @@ from openprime.core.transport import Transport
 TAG_PROBE = 5
 
 
-def probe_bandwidth(transport: Transport, nbytes: int, *, deadline: float) -> dict[int, float]:
-    """Bytes per second from every other rank to this one (raises PeerFailure like any transfer)."""
+@attrs.define
+class ProbeBytes:
+    """What a probe moved, round by round (a probe that fails keeps the rounds it finished)."""
+
+    sent: int = 0
+    received: int = 0
+
+
+def probe_bandwidth(transport: Transport, nbytes: int, *, deadline: float,
+                    moved: ProbeBytes | None = None) -> dict[int, float]:
+    """Bytes per second from every other rank to this one (raises PeerFailure like any transfer). `moved` adds up
+    the payload bytes this rank sent and received: the probe's traffic, which the outer-step records count."""
+    moved = moved if moved is not None else ProbeBytes()
     n, r = transport.world_size, transport.rank
     start_out, start_in = torch.zeros(1, dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8)
     probe_out, probe_in = torch.zeros(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
@@ -37,6 +49,8 @@ def probe_bandwidth(transport: Transport, nbytes: int, *, deadline: float) -> di
         began = time.monotonic()
         got_probe.wait()
         rates[frm] = nbytes / max(time.monotonic() - began, 1e-6)
+        moved.received += 1 + nbytes
         for handle in sending:
             handle.wait()
+        moved.sent += 1 + nbytes
     return rates

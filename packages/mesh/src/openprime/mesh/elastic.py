@@ -25,7 +25,7 @@ import torch
 from openprime.core.errors import OpenPrimeError, PeerFailure
 from openprime.core.membership import Membership, Round
 from openprime.core.transport import Handle, Rendezvous, Transport, TransportFactory
-from openprime.mesh.bandwidth import probe_bandwidth
+from openprime.mesh.bandwidth import ProbeBytes, probe_bandwidth
 from openprime.mesh.client import Evicted, JoinRefused, MeshClient, View
 
 log = logging.getLogger("openprime.mesh.elastic")
@@ -66,6 +66,7 @@ class ElasticDeviceMesh(Membership):
         self.view: View | None = None
         self._probe_bytes, self._probe_timeout_s = probe_bytes, probe_timeout_s
         self._probed_epoch = -1
+        self._probed = ProbeBytes()  # what the probes since the last round moved (counted in the next round)
         self._probe: threading.Thread | None = None
         self._measured: dict[str, float] = {}  # node -> bytes/s from it to this node, reported at the next sync
         # Who this node is, the same on every local rank (only local rank 0 holds the client).
@@ -124,6 +125,7 @@ class ElasticDeviceMesh(Membership):
 
     def begin(self, step: int, attempt: int, *, state_hash: str | None, hash_step: int) -> Round:
         bandwidth = self._probe_results()
+        probed, self._probed = self._probed, ProbeBytes()
         node_hash = self._gather_hashes(state_hash)
 
         def sync() -> dict:
@@ -144,7 +146,8 @@ class ElasticDeviceMesh(Membership):
         old = [r for r, n in enumerate(view.members) if n not in view.new]
         new_ranks = tuple(r for r, n in enumerate(view.members) if n in view.new) if old else ()
         return Round(transport=self._transport, step=v_step, attempt=v_attempt, skip=skip, new_ranks=new_ranks,
-                     donor_rank=old[0] if old else 0, state_hash=self._own_hash(agreed))
+                     donor_rank=old[0] if old else 0, state_hash=self._own_hash(agreed),
+                     side_bytes_sent=probed.sent, side_bytes_received=probed.received)
 
     def _rebuild(self, view: View, rank: int, store: str) -> None:
         if self._transport is not None:
@@ -180,7 +183,7 @@ class ElasticDeviceMesh(Membership):
 
         def run() -> None:
             try:
-                rates = probe_bandwidth(transport, self._probe_bytes, deadline=deadline)
+                rates = probe_bandwidth(transport, self._probe_bytes, deadline=deadline, moved=self._probed)
                 self._measured = {members[rank]: rate for rank, rate in rates.items()}
             except PeerFailure as e:
                 log.info("bandwidth probe of epoch %d stopped: %s", self._epoch, e)

@@ -69,6 +69,7 @@ class GradientAllReduce:
         while True:
             rnd = self.membership.begin(step, attempt, state_hash=self.weights_hash(), hash_step=step - 1)
             t = rnd.transport
+            sent, received = sent + rnd.side_bytes_sent, received + rnd.side_bytes_received  # bandwidth probes
             sent0, received0 = t.bytes_sent, t.bytes_received
             if rnd.skip:
                 raise OpenPrimeError(f"the gradient all-reduce of step {step + 1} failed {attempt} times on every "
