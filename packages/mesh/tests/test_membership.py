@@ -256,6 +256,38 @@ def test_a_restarted_coordinator_learns_the_run_s_terms_from_its_members(coordin
         reborn.stop()
 
 
+def test_a_restarted_coordinator_waits_for_the_members_before_refusing_a_stateless_joiner():
+    # The joiner reaches the restarted coordinator's barrier before any member has reported back: no node there
+    # holds the state yet, but the run's members are alive. Within the recovery window it waits for them.
+    config = attrs.evolve(FAST, heartbeat_interval_s=0.5)  # a 1.5 s recovery window
+    coordinator = Coordinator(config).start()
+    clients = _clients(coordinator, 2, config)
+    run_threads([lambda c=c: c.sync(0) for c in clients])
+    run_threads([lambda c=c: c.commit(0, 0, True) for c in clients])
+    for c in clients:  # quiet until their next outer step
+        c._stop.set()
+        c._heartbeats.join()
+    address = coordinator.address
+    coordinator.stop()
+    time.sleep(0.3)
+    reborn = Coordinator(config, bind=address).start()
+    late = MeshClient(address, config, node_id="late")
+    try:
+        late.join()
+
+        def member_sync(c):
+            while "late" not in reborn._waiting:
+                time.sleep(0.01)
+            time.sleep(0.3)  # several of the coordinator's ticks with only the stateless joiner at the barrier
+            return c.sync(1)
+
+        views = run_threads([lambda: late.sync(0, stateless=True)] + [lambda c=c: member_sync(c) for c in clients])
+        assert len(set(views)) == 1 and views[0].new == ("late",) and not reborn.refusals
+    finally:
+        _close([*clients, late])
+        reborn.stop()
+
+
 def test_hash_disagreement_is_reported(coordinator):
     clients = _clients(coordinator, 2)
     run_threads([lambda c=c: c.sync(0) for c in clients])

@@ -177,8 +177,11 @@ class Coordinator:
 
         Otherwise any sender could replace the live view by reporting a higher epoch that lists itself.
         """
-        just_started = time.monotonic() - self._started < self.config.recovery_window_s
-        return just_started or not any(m in self.nodes for m in self.members)
+        return self._just_started() or not any(m in self.nodes for m in self.members)
+
+    def _just_started(self) -> bool:
+        """This coordinator (re)started less than a recovery window ago: the run's nodes may still report."""
+        return time.monotonic() - self._started < self.config.recovery_window_s
 
     def _adopt(self, message: dict) -> None:
         """The nodes know a newer view than this coordinator: it restarted. Their report is the state."""
@@ -386,8 +389,9 @@ class Coordinator:
         """Every node at the barrier lacks the run's state (`stateless`: joined a run under way without it, or
         its transfer broke) and no member holds it: no node left does. Wait for joined nodes not yet at the barrier
         (nodes resumed from checkpoints arrive after their inner steps); with none, refuse the waiting ones, who
-        would otherwise wait for a donor at every outer step forever."""
-        if any(n not in self._waiting for n in self.nodes):
+        would otherwise wait for a donor at every outer step forever. A coordinator that just (re)started waits out
+        its recovery window first: the run's members may not have reported back yet."""
+        if any(n not in self._waiting for n in self.nodes) or self._just_started():
             return
         reason = (f"no node holding the run's state is left (the run reached outer step {self.step + 1}; its nodes are "
                   f"gone) and the {len(waiting)} node(s) waiting joined it without that state: continue the run by "
