@@ -224,20 +224,26 @@ def test_coordinator_restart_keeps_the_run(coordinator):
         reborn.stop()
 
 
-def test_a_restarted_coordinator_learns_the_run_s_terms_from_its_members(coordinator):
-    terms = {"model.dim": "128", "optim.lr": "0.003"}
-    clients = _clients(coordinator, 2)
+def _restart_after_one_outer_step(coordinator, config=FAST, terms=None):
+    """Two members finish outer step 0 and go quiet (no heartbeats until their next sync, so that the restarted
+    coordinator hears from them only then); the coordinator is restarted at its address. Returns both."""
+    clients = _clients(coordinator, 2, config)
     for c in clients:
-        c.terms = dict(terms)  # as join(terms=...) keeps them
+        c.terms = dict(terms or {})  # as join(terms=...) keeps them
     run_threads([lambda c=c: c.sync(0) for c in clients])
     run_threads([lambda c=c: c.commit(0, 0, True) for c in clients])
-    for c in clients:  # the members stay quiet until their next outer step: the restart's window is open longer
+    for c in clients:
         c._stop.set()
         c._heartbeats.join()
-    address = coordinator.address
     coordinator.stop()
     time.sleep(0.3)
-    reborn = Coordinator(FAST, bind=address).start()
+    return clients, Coordinator(config, bind=coordinator.address).start()
+
+
+def test_a_restarted_coordinator_learns_the_run_s_terms_from_its_members(coordinator):
+    terms = {"model.dim": "128", "optim.lr": "0.003"}
+    clients, reborn = _restart_after_one_outer_step(coordinator, terms=terms)
+    address = reborn.address
     intruder = MeshClient(address, FAST, node_id="intruder")
     try:
         intruder.join(terms={**terms, "optim.lr": "0.1"})  # first to reach the new coordinator: it cannot know yet
@@ -260,18 +266,8 @@ def test_a_restarted_coordinator_waits_for_the_members_before_refusing_a_statele
     # The joiner reaches the restarted coordinator's barrier before any member has reported back: no node there
     # holds the state yet, but the run's members are alive. Within the recovery window it waits for them.
     config = attrs.evolve(FAST, heartbeat_interval_s=0.5)  # a 1.5 s recovery window
-    coordinator = Coordinator(config).start()
-    clients = _clients(coordinator, 2, config)
-    run_threads([lambda c=c: c.sync(0) for c in clients])
-    run_threads([lambda c=c: c.commit(0, 0, True) for c in clients])
-    for c in clients:  # quiet until their next outer step
-        c._stop.set()
-        c._heartbeats.join()
-    address = coordinator.address
-    coordinator.stop()
-    time.sleep(0.3)
-    reborn = Coordinator(config, bind=address).start()
-    late = MeshClient(address, config, node_id="late")
+    clients, reborn = _restart_after_one_outer_step(Coordinator(config).start(), config)
+    late = MeshClient(reborn.address, config, node_id="late")
     try:
         late.join()
 
