@@ -102,8 +102,9 @@ def test_a_launch_joining_a_run_may_share_only_the_live_run_s_directory(capsys, 
         assert f"{run_dir} holds a run whose nodes are not in the run at {coordinator.address}: continue that run " \
                f"with --resume latest, or give this launch another --run-dir" in err, err
         # The directory of the run being joined (another launch of it, on the same disk, started there): shared.
-        metrics.write_text(metrics.read_text() + '{"kind": "start", "node": 0, "node_id": "live-node"}\n')
+        metrics.write_text(metrics.read_text() + '{"kind": "start", "node": 1, "node_id": "live-node"}\n')
         assert main(join) == 0 and len(launched) == 1
+        assert launched[0]["first_node"] == 2  # its nodes' records follow the other launch's nodes 0 and 1
     finally:
         live.close()
         coordinator.stop()

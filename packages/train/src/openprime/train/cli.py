@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = (args.run_dir or pathlib.Path("runs") / f"{cfg.name}-{stamp}").resolve()
     resume = None
     try:
-        _check_run_dir(args, cfg, run_dir)
+        first_node = _check_run_dir(args, cfg, run_dir)
         if args.resume:
             resume = _resume_from(args, cfg, run_dir)
     except OpenPrimeError as e:
@@ -274,21 +274,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     write_run_files(run_dir, cfg, recipe=args.recipe.resolve(), recipe_files=loaded_recipe_files(),
                     overrides=overrides, num_nodes=args.nodes, resumed_from=resume.path if resume else None)
-    return launch(cfg, num_nodes=args.nodes, run_dir=run_dir, coordinator=args.join, resume=resume)
+    return launch(cfg, num_nodes=args.nodes, run_dir=run_dir, coordinator=args.join, resume=resume,
+                  first_node=first_node)
 
 
-def _check_run_dir(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path) -> None:
+def _check_run_dir(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path) -> int:
     """A run directory that holds a run is continued (`--resume latest`), not started again; one whose run saved no
     checkpoint (it ended before its first) can be neither. A launch joining a run without a checkpoint may share
     the directory of the run it joins (one disk for several launches), and no other run's: its nodes' records and
-    checkpoints would mix with that run's, and its first saves would be pruned as older than that run's newest."""
+    checkpoints would mix with that run's, and its first saves would be pruned as older than that run's newest.
+    Returns the number of this launch's first node (past the nodes of the launch it shares the directory with)."""
     from openprime.train.checkpointing import checkpoint_root
 
     if args.join and not args.resume:
-        _check_shared_run_dir(cfg, run_dir, args.join)
-        return
+        return _check_shared_run_dir(cfg, run_dir, args.join)
     if args.resume not in (None, "latest") or not (run_dir / "metrics.jsonl").exists():
-        return
+        return 0
     if not list_steps(checkpoint_root(cfg.checkpoint, run_dir)):
         raise ConfigError(f"{run_dir} holds a run that saved no checkpoint (it ended before its first one, at inner "
                           f"step {cfg.checkpoint.interval_steps}): there is nothing to resume; start it again in "
@@ -296,15 +297,18 @@ def _check_run_dir(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Pa
     if not args.resume:
         raise ConfigError(f"{run_dir} already holds a run; continue it with --resume latest, "
                           f"or choose another --run-dir")
+    return 0
 
 
-def _check_shared_run_dir(cfg: RunConfig, run_dir: pathlib.Path, coordinator: str) -> None:
-    """A fresh launch joining `coordinator` may write into `run_dir` only if the run there is the live one."""
+def _check_shared_run_dir(cfg: RunConfig, run_dir: pathlib.Path, coordinator: str) -> int:
+    """A fresh launch joining `coordinator` may write into `run_dir` only if the run there is the live one; returns
+    the number its first node takes there (past the node numbers in the directory's records)."""
     from openprime.mesh import MeshClient
 
-    node_ids = _node_ids(run_dir / "metrics.jsonl")
+    starts = _starts(run_dir / "metrics.jsonl")
+    node_ids = {r.get("node_id", "") for r in starts} - {""}
     if not node_ids:
-        return
+        return 0
     client = MeshClient(coordinator, cfg.mesh, node_id="cli-run-dir-check")
     try:
         live = set(client.status()["nodes"])
@@ -316,14 +320,16 @@ def _check_shared_run_dir(cfg: RunConfig, run_dir: pathlib.Path, coordinator: st
     if not live & node_ids:
         raise ConfigError(f"{run_dir} holds a run whose nodes are not in the run at {coordinator}: continue that run "
                           f"with --resume latest, or give this launch another --run-dir")
+    return 1 + max(int(r.get("node", 0)) for r in starts)
 
 
-def _node_ids(metrics: pathlib.Path) -> set[str]:
-    """The node ids of the "start" records of a metrics file (none if there is no file)."""
+def _starts(metrics: pathlib.Path) -> list[dict]:
+    """The "start" records of a metrics file (none if there is no file)."""
     if not metrics.exists():
-        return set()
+        return []
     with metrics.open() as f:
-        return {json.loads(line).get("node_id", "") for line in f if '"kind": "start"' in line} - {""}
+        records = [json.loads(line) for line in f if '"kind": "start"' in line]
+    return [r for r in records if r.get("kind") == "start"]
 
 
 def _resume_from(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path) -> Checkpoint:

@@ -178,9 +178,12 @@ class Launcher:
     """A coordinator plus node processes on this machine: `fsdp.num_local_ranks` processes per node."""
 
     def __init__(self, cfg: RunConfig, run_dir: pathlib.Path, *, num_nodes: int,
-                 coordinator: str | None = None, resume: Checkpoint | None = None) -> None:
+                 coordinator: str | None = None, resume: Checkpoint | None = None, first_node: int = 0) -> None:
         self.cfg = attrs.evolve(cfg, mesh=attrs.evolve(cfg.mesh, min_nodes=num_nodes))
         self.run_dir = run_dir
+        # The number of this launch's first node in the run directory's records: past another launch's nodes when
+        # two launches of a run share the directory (one disk), so that their records do not mix.
+        self.first_node = first_node
         self.resume = resume  # the nodes started first continue from it; later ones join and get the state
         # The first nodes resume the checkpoint's nodes, as many as it holds (it may hold more: a shared disk).
         self._num_resumed = min(num_nodes, len(parts_by_node(resume))) if resume is not None else 0
@@ -200,8 +203,9 @@ class Launcher:
 
     def start_node(self) -> mp.process.BaseProcess:
         """Start one more node; once the run is under way, it waits for the next outer step and gets the state."""
-        node = len(self.procs)
-        resume = self.resume if node < self._num_resumed else None
+        index = len(self.procs)
+        node = self.first_node + index
+        resume = self.resume if index < self._num_resumed else None
         rendezvous = None
         if self._local_store is not None:
             rendezvous = Rendezvous(host="127.0.0.1", port=self._local_store.port,
@@ -283,10 +287,12 @@ class Launcher:
 
 
 def launch(cfg: RunConfig, *, num_nodes: int, run_dir: pathlib.Path, coordinator: str | None = None,
-           resume: Checkpoint | None = None) -> int:
-    """Run `num_nodes` nodes to the end of the run; returns the exit code for the command."""
+           resume: Checkpoint | None = None, first_node: int = 0) -> int:
+    """Run `num_nodes` nodes to the end of the run; returns the exit code for the command. `first_node`: the first
+    node's number in the run directory's records (after those of another launch that shares the directory)."""
     prepare_data(cfg.data)
-    launcher = Launcher(cfg, run_dir, num_nodes=num_nodes, coordinator=coordinator, resume=resume)
+    launcher = Launcher(cfg, run_dir, num_nodes=num_nodes, coordinator=coordinator, resume=resume,
+                        first_node=first_node)
     start = time.monotonic()
     print(f"openprime: starting {num_nodes} node(s) of {cfg.name!r}; coordinator {launcher.coordinator}; "
           f"run directory {run_dir}" + (f"; resuming from {resume.path}" if resume else ""), flush=True)
