@@ -72,7 +72,6 @@ import os
 import pathlib
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -88,6 +87,7 @@ from openprime.train.data import prepare_data
 from openprime.train.launcher import Launcher, output_to, write_run_files
 from openprime.train.metrics import METRICS_FILE, MetricsTail, read_records
 from openprime.train.recipe import loaded_recipe_files, recipe_config
+from openprime.train.testing import free_port
 
 FAULT_KINDS = ("kill", "stop", "term", "join", "coordinator")
 FAST_DEFAULTS = ["train.num_steps=1000000", "diloco.num_inner_steps=5", "train.log_every=20",
@@ -101,12 +101,6 @@ COORDINATOR_START_TIMEOUT_S = 60.0
 def say(t0: float | None, line: str) -> None:
     stamp = f"[{time.time() - t0:6.1f}s]" if t0 is not None else "[   ---]"
     print(f"{stamp} {line}", flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class CoordinatorProcess:

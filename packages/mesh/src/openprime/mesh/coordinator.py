@@ -163,9 +163,6 @@ class Coordinator:
         if message["epoch"] > self.epoch and node in message["members"] and self._may_adopt():
             self._adopt(message)
             record = self.nodes.get(node)
-        terms = message.get("terms")
-        if terms and record is not None and self.terms is None:
-            self.terms, self.terms_node = dict(terms), node  # a restarted coordinator learns them from a member
         if record is None:
             return None
         record.incarnation = incarnation
