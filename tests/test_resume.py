@@ -18,7 +18,7 @@ import torch
 from openprime.train.checkpointing import load_model_weights
 from openprime.train.metrics import read_records, summarize
 from openprime.train.model import Llama
-from openprime.train.testing import free_port, serve_coordinator, wait_for
+from openprime.train.testing import free_port, node_pids, process_ended, serve_coordinator, wait_for
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Sequences of 32 tokens, not 128: bit-identity does not need the compute (it made up most of these tests' time).
@@ -119,6 +119,31 @@ def test_ctrl_c_stops_the_nodes_and_says_how_to_continue(baseline, tmp_path):
     _run(run_dir, "--resume", "latest")
     final = max(summarize(baseline).distinct_hashes)
     assert summarize(run_dir).distinct_hashes[final] == summarize(baseline).distinct_hashes[final]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_sigterm_or_sighup_stops_the_nodes_as_ctrl_c_does(tmp_path, signum):
+    """`kill` or a job scheduler (SIGTERM), a closed terminal or ssh session (SIGHUP): the launcher stops its nodes
+    gracefully (each sends its deathrattle) and says how to continue; before, it died at once and they went on."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "openprime.train.cli", "run", str(ROOT / "recipes" / "debug.py"),
+                             "--run-dir", str(run_dir), *SHORT], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        wait_for(run_dir, lambda records: any(r["kind"] == "checkpoint" for r in records), timeout_s=120)
+        proc.send_signal(signum)
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert proc.returncode == 128 + signum, out[-3000:]
+    assert f"openprime: got {signum.name}; stopping the nodes (they leave gracefully)" in out
+    assert out.count("removed: left (deathrattle)") == 2, out[-3000:]
+    assert f"continue with `openprime run RECIPE --nodes 2 --run-dir {run_dir} --resume latest`" in out
+    assert "Traceback" not in out, out[-3000:]
+    pids = node_pids(read_records(run_dir))
+    assert len(pids) == 2 and all(process_ended(pid) for pid in pids), pids
 
 
 def test_resume_refuses_another_model_before_starting(stopped, tmp_path):

@@ -224,6 +224,31 @@ def test_coordinator_restart_keeps_the_run(coordinator):
         reborn.stop()
 
 
+def test_a_node_says_when_its_coordinator_goes_silent_and_when_it_answers_again(coordinator, caplog):
+    # Heartbeats every 0.1 s: the first warning after 0.3 s of silence (the eviction timeout), the next after 0.6 s,
+    # then 1.2 s: three warnings in 1.5 s, not one per heartbeat.
+    (client,) = _clients(coordinator, 1)
+    address = coordinator.address
+    caplog.set_level("WARNING", logger="openprime.mesh.client")
+    coordinator.stop()
+    time.sleep(1.5)
+    silent = [r.getMessage() for r in caplog.records if "has not answered" in r.getMessage()]
+    reborn = Coordinator(FAST, bind=address).start()
+    try:
+        deadline = time.monotonic() + 5
+        while not any("answers again" in r.getMessage() for r in caplog.records) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        client.close()
+        reborn.stop()
+    assert len(silent) == 3, silent
+    waited_s = [float(m.split("has not answered for ")[1].split("s;")[0]) for m in silent]
+    assert 0.3 <= waited_s[0] < waited_s[1] < waited_s[2] < 1.5, waited_s
+    assert "mesh.sync_timeout_s = 10s" in silent[0] and f"openprime mesh serve --bind {address}" in silent[0]
+    back = [r.getMessage() for r in caplog.records if "answers again" in r.getMessage()]
+    assert len(back) == 1 and "(heartbeat)" in back[0], back
+
+
 def _restart_after_one_outer_step(coordinator, config=FAST, terms=None):
     """Two members finish outer step 0 and go quiet (no heartbeats until their next sync, so that the restarted
     coordinator hears from them only then); the coordinator is restarted at its address. Returns both."""

@@ -7,9 +7,11 @@ import pathlib
 import subprocess
 import sys
 import threading
+import time
 
 from openprime.train.launcher import Launcher, NodeProcess, install_stack_dump, output_to
 from openprime.train.recipe import recipe_config
+from openprime.train.testing import process_ended
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
@@ -72,3 +74,39 @@ def test_the_fork_servers_preload_does_not_touch_cuda():
         "print(asked)\n")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+LAUNCH_AND_HANG = """
+import time
+from openprime.train.launcher import NodeProcess
+if __name__ == "__main__":
+    node = NodeProcess(target=time.sleep, args=(120,), name="node-0")
+    node.start()
+    print(node.pid, flush=True)
+    time.sleep(120)
+"""
+
+
+def test_node_processes_leave_when_their_launcher_is_killed(tmp_path):
+    """A launcher killed outright (SIGKILL: the OOM killer, a scheduler) cannot stop its nodes, and their parent is
+    the fork server: each node watches the launching process and leaves (SIGTERM to itself) when it is gone."""
+    script = tmp_path / "launch.py"
+    script.write_text(LAUNCH_AND_HANG)
+    launcher = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+    node_pid = None
+    try:
+        node_pid = int(launcher.stdout.readline())
+        assert not process_ended(node_pid)
+        launcher.kill()
+        launcher.wait(timeout=30)
+        out = launcher.stdout.read()  # until the node, which holds the pipe too, has exited
+        assert f"[node-0] the process that launched it (pid {launcher.pid}) is gone; leaving the run" in out, out
+        deadline = time.monotonic() + 10
+        while not process_ended(node_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert process_ended(node_pid)
+    finally:
+        launcher.kill()
+        if node_pid is not None and not process_ended(node_pid):
+            os.kill(node_pid, 9)

@@ -88,6 +88,8 @@ class MeshClient:
         self._sock = self._socket()
         self._stop = threading.Event()
         self._heartbeats: threading.Thread | None = None
+        self._answered_at = time.monotonic()  # the coordinator's last reply to any request
+        self._warn_silence_s = config.coordinator_silence_warning_s  # next "silent for" warning, doubled each time
 
     def _socket(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
@@ -124,6 +126,7 @@ class MeshClient:
                     continue
                 if reply.get("req") != req:
                     continue  # the answer to an earlier, abandoned request
+                self._answered(op)
                 if reply.get("op") == "evicted":
                     self.evicted = True
                     raise Evicted(f"node {self.node} was evicted by the coordinator; rejoin as a new node")
@@ -205,9 +208,29 @@ class MeshClient:
                     log.warning("node %s: the coordinator evicted this node", self.node)
                     return
                 except PeerFailure:
-                    continue  # the coordinator is away (restarting?); keep trying
+                    self._warn_if_silent()  # the coordinator is away (restarting?); keep trying
         finally:
             sock.close(linger=0)
+
+    def _warn_if_silent(self) -> None:
+        """Say so when the coordinator has not answered for a while (a node otherwise waits at the barrier in
+        silence, up to `sync_timeout_s`): after `coordinator_silence_warning_s`, then twice as long, and so on."""
+        silent_s = time.monotonic() - self._answered_at
+        if silent_s < self._warn_silence_s:
+            return
+        self._warn_silence_s *= 2
+        log.warning("node %s: the coordinator at %s has not answered for %.1fs; waiting for it (at most "
+                    "mesh.sync_timeout_s = %.0fs at an outer-step barrier). If it stopped, restart it at the same "
+                    "address (`openprime mesh serve --bind %s`): it continues the run from what the nodes report",
+                    self.node, self.address, silent_s, self.config.sync_timeout_s, self.address)
+
+    def _answered(self, op: str) -> None:
+        now = time.monotonic()
+        if self._warn_silence_s > self.config.coordinator_silence_warning_s:  # it had been silent long enough to warn
+            self._warn_silence_s = self.config.coordinator_silence_warning_s
+            log.warning("node %s: the coordinator at %s answers again (%s) after %.1fs of silence",
+                        self.node, self.address, op, now - self._answered_at)
+        self._answered_at = now
 
     def leave(self) -> None:
         """The deathrattle: tell the coordinator at once that this node is going (best effort)."""

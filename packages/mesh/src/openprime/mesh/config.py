@@ -56,6 +56,12 @@ class MeshConfig:
         return self.heartbeat_interval_s
 
     @property
+    def coordinator_silence_warning_s(self) -> float:
+        """A node whose coordinator has not answered this long says so (then after twice as long, and so on):
+        as long as the coordinator waits before it evicts a silent node."""
+        return self.eviction_timeout_s
+
+    @property
     def recovery_window_s(self) -> float:
         """A restarted coordinator waits this long for nodes to report before it rebuilds the view."""
         return self.eviction_timeout_s

@@ -16,13 +16,14 @@ import json
 import multiprocessing as mp
 import os
 import pathlib
+import select
 import shutil
 import signal
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing import reduction
 from typing import Any
 
@@ -86,11 +87,17 @@ def write_run_files(run_dir: pathlib.Path, cfg: RunConfig, *, recipe: pathlib.Pa
         shutil.copyfile(path, sources / path.name)
 
 
-def _leave(*_: object) -> None:
-    """SIGTERM: leave gracefully (checkpoint closed, deathrattle sent) once; a second SIGTERM (the launcher's
+# Signals that stop a node, or a whole launch, gracefully: `kill` and job schedulers send SIGTERM; a closed terminal
+# or ssh session sends SIGHUP to the launcher and its nodes (their process group).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _leave(signum: int = signal.SIGTERM, *_: object) -> None:
+    """SIGTERM or SIGHUP: leave gracefully (checkpoint closed, deathrattle sent) once; a second one (the launcher's
     watchdog stopping the node's other processes) does not interrupt the first exit."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    sys.exit(143)
+    for stop in STOP_SIGNALS:
+        signal.signal(stop, signal.SIG_IGN)
+    sys.exit(128 + signum)
 
 
 # `kill -USR1 PID` makes a node process print every thread's Python stack to its stderr (and go on): how to see
@@ -111,12 +118,14 @@ class _Inherited:
     SCM_RIGHTS through the fork server); `adopt()` in the new process points its own 1 and 2 at them.
     """
 
-    def __init__(self, stdout: Any = None, stderr: Any = None, environ: dict[str, str] | None = None) -> None:
+    def __init__(self, stdout: Any = None, stderr: Any = None, environ: dict[str, str] | None = None,
+                 launcher_pid: int | None = None) -> None:
         self._fds = (stdout, stderr)
         self._environ = environ
+        self.launcher_pid = launcher_pid
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return _Inherited, (reduction.DupFd(1), reduction.DupFd(2), dict(os.environ))
+        return _Inherited, (reduction.DupFd(1), reduction.DupFd(2), dict(os.environ), os.getpid())
 
     def adopt(self) -> None:
         for target, fd in zip((1, 2), self._fds, strict=True):
@@ -148,7 +157,42 @@ class NodeProcess(mp.context.ForkServerProcess):
 
     def run(self) -> None:
         self._inherited.adopt()
+        if self._inherited.launcher_pid is not None:
+            leave_when_gone(self._inherited.launcher_pid)
         super().run()
+
+
+def leave_when_gone(launcher_pid: int, poll_s: float = 1.0) -> threading.Thread:
+    """In a node process: leave the run gracefully (SIGTERM to itself) once the process that launched it is gone.
+
+    A launcher killed outright (SIGKILL, the OOM killer) cannot stop its nodes, and their parent is the fork server,
+    not the launcher: without this they would go on training with nobody to read their output or stop them, and
+    when the coordinator ran in the launcher, wait at the next outer-step barrier for `mesh.sync_timeout_s`. On
+    Linux a pidfd says at once that the launcher ended; elsewhere it is polled every `poll_s`.
+    """
+    def watch() -> None:
+        try:
+            pidfd = os.pidfd_open(launcher_pid)
+        except (AttributeError, OSError):  # no pidfd (not Linux 5.3+), or the launcher is already gone
+            pidfd = None
+        if pidfd is not None:
+            select.select([pidfd], [], [])  # readable when the process has ended
+            os.close(pidfd)
+        else:
+            while True:
+                try:
+                    os.kill(launcher_pid, 0)
+                except (ProcessLookupError, PermissionError):  # gone (PermissionError: another user's now)
+                    break
+                time.sleep(poll_s)
+        with contextlib.suppress(OSError):  # its output may have gone with it
+            print(f"[{mp.current_process().name}] the process that launched it (pid {launcher_pid}) is gone; "
+                  f"leaving the run", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    watcher = threading.Thread(target=watch, name="openprime-launcher-watch", daemon=True)
+    watcher.start()
+    return watcher
 
 
 def usable_cores() -> int:
@@ -160,7 +204,8 @@ def node_main(cfg: RunConfig, node: int, coordinator: str, run_dir: pathlib.Path
               resume: Checkpoint | None = None, local_rank: int = 0,
               local_rendezvous: Rendezvous | None = None) -> None:
     """The body of one node process (one local rank): SIGTERM leaves gracefully (the deathrattle), errors exit 1."""
-    signal.signal(signal.SIGTERM, _leave)
+    for stop in STOP_SIGNALS:
+        signal.signal(stop, _leave)
     install_stack_dump()
     try:
         run_node(cfg, node=node, coordinator=coordinator, run_dir=run_dir, num_threads=num_threads, resume=resume,
@@ -297,17 +342,23 @@ def launch(cfg: RunConfig, *, num_nodes: int, run_dir: pathlib.Path, coordinator
     print(f"openprime: starting {num_nodes} node(s) of {cfg.name!r}; coordinator {launcher.coordinator}; "
           f"run directory {run_dir}" + (f"; resuming from {resume.path}" if resume else ""), flush=True)
     codes: dict[int, int] | None = None
-    try:
-        for _ in range(num_nodes):
-            launcher.start_node()
-        codes = launcher.wait()
-    except KeyboardInterrupt:
-        print("openprime: interrupted; stopping the nodes (they leave gracefully)", file=sys.stderr)
-    finally:
-        launcher.stop()
+    stopped_by = signal.SIGINT
+    with _stopped_by_signals() as ignore_signals:
+        try:
+            for _ in range(num_nodes):
+                launcher.start_node()
+            codes = launcher.wait()
+        except KeyboardInterrupt:
+            print("openprime: interrupted; stopping the nodes (they leave gracefully)", file=sys.stderr)
+        except Stopped as e:
+            stopped_by = e.signum
+            print(f"openprime: got {e.signum.name}; stopping the nodes (they leave gracefully)", file=sys.stderr)
+        finally:
+            ignore_signals()  # a second signal must not cut the stop short
+            launcher.stop()
     if codes is None:
         _print_checkpoints(cfg, run_dir, num_nodes=num_nodes, joined=coordinator)
-        return 130
+        return 128 + stopped_by
     failed = {n: c for n, c in codes.items() if c != 0}
     for node, code in failed.items():
         print(f"openprime: node {node} exited with code {code}; the others went on without it", file=sys.stderr)
@@ -317,6 +368,40 @@ def launch(cfg: RunConfig, *, num_nodes: int, run_dir: pathlib.Path, coordinator
         return 1
     _print_summary(cfg, run_dir, time.monotonic() - start, num_nodes=num_nodes, joined=coordinator)
     return 0
+
+
+class Stopped(Exception):
+    """The launching process got one of STOP_SIGNALS: stop the launch as Ctrl-C does."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signal.Signals(signum)
+
+
+@contextlib.contextmanager
+def _stopped_by_signals() -> Iterator[Callable[[], None]]:
+    """While a launch runs, STOP_SIGNALS raise Stopped in the main thread, as SIGINT raises KeyboardInterrupt: the
+    launcher then stops its nodes gracefully and says how to continue. Without this, SIGTERM or SIGHUP ended the
+    launcher at once and left its nodes running with nobody to stop them. Yields a function that ignores them
+    from then on (while the nodes are being stopped); the previous handlers come back at the end."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread can handle signals
+        yield lambda: None
+        return
+
+    def ignore() -> None:
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+
+    def stop(signum: int, _frame: object) -> None:
+        ignore()
+        raise Stopped(signum)
+
+    previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
+    try:
+        yield ignore
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _print_summary(cfg: RunConfig, run_dir: pathlib.Path, elapsed_s: float, *, num_nodes: int,

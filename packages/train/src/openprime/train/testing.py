@@ -76,6 +76,19 @@ def wait_until(condition: Callable[[], bool], timeout_s: float) -> None:
         time.sleep(POLL_S)
 
 
+def process_ended(pid: int) -> bool:
+    """The process has exited (Linux /proc; a zombie its new parent has not reaped yet counts as ended)."""
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def node_pids(records: Records) -> list[int]:
+    """The process ids of the nodes that started, from their ids (hostname-pid-random) in the start records."""
+    return [int(r["node_id"].rsplit("-", 2)[1]) for r in records if r["kind"] == "start"]
+
+
 def free_port() -> int:
     """A TCP port of 127.0.0.1 that was free a moment ago."""
     with socket.socket() as s:
