@@ -94,6 +94,26 @@ def test_corrupt_and_truncated_files_are_detected_and_latest_falls_back(tmp_path
         read_part(newest)
 
 
+def test_a_file_deleted_after_its_manifest_verified_is_a_corrupt_checkpoint(tmp_path, monkeypatch) -> None:
+    """A live run prunes old checkpoints while `openprime export` may be reading one: DCP's own error for the vanished
+    file is a BaseException (CheckpointException) that `except Exception` handlers let through; read_part says what
+    happened instead."""
+    import openprime.ckpt.store as store
+
+    path = write_part(tmp_path, 20, "slot-0", make_state(1), parts=["slot-0"])
+    verify = store.verify_manifest
+
+    def verify_then_prune(directory, **kwargs):
+        verify(directory, **kwargs)
+        for data_file in directory.glob("*.distcp"):
+            data_file.unlink()
+
+    monkeypatch.setattr(store, "verify_manifest", verify_then_prune)
+    with pytest.raises(CorruptCheckpoint, match=r"reading its tensors failed after its manifest verified "
+                                                r"\(FileNotFoundError: .*was it deleted or changed while it was read"):
+        read_part(path)
+
+
 def test_a_step_missing_a_part_is_incomplete(tmp_path) -> None:
     write_part(tmp_path, 20, "slot-0", make_state(1), parts=["slot-0", "slot-1"])
     write_part(tmp_path, 20, "slot-1", make_state(2), parts=["slot-0", "slot-1"])

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from openprime.ckpt.config import SaveMode
 from openprime.ckpt.state import snapshot
-from openprime.ckpt.store import prune, write_part
+from openprime.ckpt.store import dcp_cause, prune, write_part
 
 log = logging.getLogger("openprime.ckpt")
 
@@ -86,7 +86,7 @@ class Checkpointer:
         try:
             path = write_part(self.root, step, self.part, host, parts=parts)
         except (Exception, CheckpointException) as e:  # the run must go on; the previous checkpoint is untouched
-            cause = _cause(e)
+            cause = dcp_cause(e)
             log.error("checkpoint of step %d (%s) under %s FAILED: %s (is the disk full?); the previous checkpoint "
                       "is intact and training continues", step, self.part, self.root, cause)
             self.results.append(SaveResult(step=step, path=None, blocking_s=blocking_s,
@@ -103,11 +103,3 @@ class Checkpointer:
         self.results.append(SaveResult(step=step, path=path, blocking_s=blocking_s, total_s=time.monotonic() - start))
         log.info("checkpoint of step %d saved to %s in %.2fs (training blocked %.2fs)", step, path,
                  self.results[-1].total_s, blocking_s)
-
-
-def _cause(e: BaseException) -> str:
-    """`Type: message` of the error that failed a save (DCP wraps the writer's error in its own)."""
-    if isinstance(e, CheckpointException) and e.failures:
-        inner = next(iter(e.failures.values()))  # (exception, traceback) by rank
-        e = inner[0] if isinstance(inner, tuple) else getattr(inner, "exc", inner)
-    return f"{type(e).__name__}: {e}"

@@ -36,6 +36,7 @@ from typing import Any
 import attrs
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from openprime.ckpt.manifest import CorruptCheckpoint, fsync_path, verify_manifest, write_manifest
@@ -175,12 +176,24 @@ def read_part(path: pathlib.Path, *, verify: bool = True) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         raise CorruptCheckpoint(path, f"{STATE_FILE} is unreadable: {e}") from None
     tensors = {name: torch.empty(tuple(m.size), dtype=m.properties.dtype) for name, m in _metadata(path).items()}
-    with _quiet_dcp():
-        dcp.load(tensors, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    try:
+        with _quiet_dcp():
+            dcp.load(tensors, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    except CheckpointException as e:  # a BaseException: it would pass every `except Exception` on its way up
+        raise CorruptCheckpoint(path, f"reading its tensors failed after its manifest verified ({dcp_cause(e)}); "
+                                      f"was it deleted or changed while it was read?") from None
     try:
         return unflatten(meta["state"], tensors)
     except KeyError as e:
         raise CorruptCheckpoint(path, f"{STATE_FILE} refers to tensor {e} that is not stored") from None
+
+
+def dcp_cause(e: BaseException) -> str:
+    """`Type: message` of the error under a torch.distributed.checkpoint failure (DCP wraps it in its own)."""
+    if isinstance(e, CheckpointException) and e.failures:
+        inner = next(iter(e.failures.values()))  # (exception, traceback) by rank
+        e = inner[0] if isinstance(inner, tuple) else getattr(inner, "exc", inner)
+    return f"{type(e).__name__}: {e}"
 
 
 def part_info(path: pathlib.Path) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import json
+import logging
 import pathlib
 import typing
 from collections.abc import Sequence
@@ -38,12 +39,14 @@ from openprime.ckpt import (
     resolve,
 )
 from openprime.ckpt.state import flatten, unflatten
-from openprime.ckpt.store import part_info
+from openprime.ckpt.store import STEP_RE, CorruptCheckpoint, list_steps, part_info, step_dir, verify_step
 from openprime.core.config import to_dict
 from openprime.core.errors import ConfigError
 from openprime.diloco import DiLoCo, ExtraState
 from openprime.train.data import MixtureBatches
 from openprime.train.model import ModelConfig
+
+log = logging.getLogger("openprime.train.checkpointing")
 
 
 def part_name(slot: int, local_rank: int = 0, num_local_ranks: int = 1) -> str:
@@ -209,20 +212,46 @@ def model_config_from_dict(values: dict[str, Any]) -> ModelConfig:
 
 def load_model_weights(source: pathlib.Path) -> tuple[ModelConfig, dict[str, torch.Tensor], pathlib.Path]:
     """The model config and weights of a run directory (its newest checkpoint), a checkpoint root, a step
-    directory or one part; returns (config, state dict, the part read)."""
+    directory or one part; returns (config, state dict, the part read).
+
+    Every node holds the same weights after an outer step, so one node's parts are read, and only their files are
+    checksummed (as they are read): not every part of the step, which on a shared disk is every node's optimizer
+    state too. A node's parts that fail (corrupt, or deleted while they were read: a live run prunes its old
+    checkpoints) give way to another node's of the same step, then to the step before, with a warning; a source
+    that names a step or a part is read from that step or part only.
+    """
     if (source / "state.json").is_file():
-        part = source
+        return _model_weights(source)
+    if (source / "config.json").is_file() and (source / "checkpoints").is_dir():
+        run_cfg = json.loads((source / "config.json").read_text())["config"]
+        root, steps = pathlib.Path(run_cfg["checkpoint"]["directory"] or source / "checkpoints"), None
+    elif STEP_RE.match(source.name) and source.is_dir():
+        root, steps = source.parent, [int(STEP_RE.match(source.name).group(1))]
+    elif source.is_dir():
+        root, steps = source, None
     else:
-        # Every node holds the same weights after an outer step: one node's parts are enough.
-        if (source / "config.json").is_file() and (source / "checkpoints").is_dir():
-            run_cfg = json.loads((source / "config.json").read_text())["config"]
-            root = pathlib.Path(run_cfg["checkpoint"]["directory"] or source / "checkpoints")
-            found = usable_nodes(latest(root, enough=nodes_here(1)))
-        elif source.is_dir():
-            found = usable_nodes(resolve(source, enough=nodes_here(1)))
-        else:
-            raise CheckpointNotFound(f"{source} is neither a run directory nor a checkpoint")
-        part = found.part(found.parts[0])
+        raise CheckpointNotFound(f"{source} is neither a run directory nor a checkpoint")
+    steps = steps or list(reversed(list_steps(root)))
+    if not steps:
+        raise CheckpointNotFound(f"no checkpoint under {root} (looked for step-NNNNNNNN directories)")
+    problems = []
+    for step in steps:
+        try:
+            nodes = parts_by_node(usable_nodes(verify_step(root, step, checksums=False, enough=nodes_here(1))))
+        except (CorruptCheckpoint, OSError, ValueError, KeyError) as e:  # IncompleteCheckpoint: a CorruptCheckpoint
+            nodes, problems = [], [*problems, f"step {step}: {e}"]
+        for names in nodes:
+            try:
+                return _model_weights(step_dir(root, step) / names[0])
+            except (CorruptCheckpoint, CheckpointNotFound, OSError, ValueError, KeyError) as e:
+                problems.append(f"step {step} {names[0]}: {e}")
+                log.warning("cannot read %s of checkpoint step %d: %s; trying another", names[0], step, e)
+    raise CheckpointNotFound(f"no usable checkpoint under {root}" + (f" at step {steps[0]}" if len(steps) == 1 else "")
+                             + ": " + "; ".join(problems))
+
+
+def _model_weights(part: pathlib.Path) -> tuple[ModelConfig, dict[str, torch.Tensor], pathlib.Path]:
+    """One part's model config and the node's whole weights (with its local ranks' sibling parts); verified."""
     state = read_part(part)
     model = state["model"]
     if "-rank-" in part.name:
