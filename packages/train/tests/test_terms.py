@@ -1,6 +1,7 @@
 """The terms a node states when it joins: the same run on another machine agrees; anything that changes the
 replicas' arithmetic, the wire or the data's content does not, and the difference is named."""
 
+import json
 import pathlib
 
 import attrs
@@ -63,3 +64,22 @@ def test_other_data_is_named_by_source(cfg):
     weighted = (WeightedSource(source=Source.KJV, weight=3.0), WeightedSource(source=Source.CPYTHON))
     reweighted = attrs.evolve(cfg, data=attrs.evolve(cfg.data, mixture=weighted))
     assert _differ(terms, run_terms(reweighted, prepare_data(reweighted.data))) == ["data.source[0]"]
+
+
+def test_another_secret_or_run_id_is_named_and_the_same_secret_elsewhere_agrees(cfg, tmp_path):
+    # A node with another secret joined and then every peer refused its ring connections: every outer step of the
+    # whole run failed and was skipped (seen by hand, 2026-12-04). Its terms now differ, by a fingerprint.
+    secret = "0123456789abcdef0123456789abcdef"
+    (tmp_path / "a").write_text(secret + "\n")
+    (tmp_path / "b").write_text(secret)  # the same secret in another file (another machine's path)
+    (tmp_path / "c").write_text(secret[::-1])
+    tcp = ("transport.kind=tcp",)
+    base = _terms(cfg, *tcp, f"transport.options.auth.secret_file={tmp_path / 'a'}")
+    assert json.loads(base["transport.auth.secret_fingerprint"]) not in (None, secret)
+    assert secret not in json.dumps(base)
+    assert _differ(base, _terms(cfg, *tcp, f"transport.options.auth.secret_file={tmp_path / 'b'}")) == []
+    assert _differ(base, _terms(cfg, *tcp, f"transport.options.auth.secret_file={tmp_path / 'c'}")) == [
+        "transport.auth.secret_fingerprint"]
+    assert _differ(base, _terms(cfg, *tcp)) == ["transport.auth.secret_fingerprint"]
+    assert _differ(base, _terms(cfg, *tcp, f"transport.options.auth.secret_file={tmp_path / 'a'}",
+                                "transport.options.auth.run_id=other")) == ["transport.auth.run_id"]

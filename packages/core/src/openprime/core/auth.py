@@ -47,6 +47,13 @@ class AuthConfig:
                               "least 16 (e.g. `openssl rand -hex 32 > FILE`)")
         return secret
 
+    def fingerprint(self) -> str | None:
+        """Which secret this is, without what it is: 16 hex digits of a domain-separated SHA-256 (None: no secret).
+        Nodes compare it when they join, so that one with another secret is refused at once, not at every ring
+        connection of every outer step."""
+        secret = self.load_secret()
+        return None if secret is None else hashlib.sha256(b"openprime/secret-fingerprint|" + secret).hexdigest()[:16]
+
 
 def new_nonce() -> bytes:
     return os.urandom(NONCE_BYTES)

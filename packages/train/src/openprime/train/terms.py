@@ -9,11 +9,13 @@ naming the first difference.
 
 Terms are the fields that shape the replicas' arithmetic or the bytes on the wire: the model, the inner
 optimizer and its schedule, the batch shape, the seed, DiLoCo's settings, the local-rank layout, the
-transport kind, the number of data slots, and the data by content (each source's token-stream digest, which
-covers the tokenizer, and its weight), not by name or path: machines keep their files in different places.
+transport kind, its run id and which shared secret it holds (a fingerprint, not the secret: a node with another
+secret was admitted and then refused by every peer's ring connections, which failed every outer step of the
+whole run), the number of data slots, and the data by content (each source's token-stream digest, which covers
+the tokenizer, and its weight), not by name or path: machines keep their files in different places.
 Left out, as each machine's own: micro-batch size (memory), the device of the pseudo-gradient, the number of
 CPU threads, logging and evaluation, checkpoint places and intervals, timeouts, and the transport's address,
-connections, shaping and secret.
+connections and shaping.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ def run_terms(cfg: RunConfig, prepared: PreparedData) -> dict[str, str]:
     _flat("train.", {k: tree["train"][k] for k in TRAIN_TERMS}, terms)
     terms["fsdp.num_local_ranks"] = json.dumps(cfg.fsdp.num_local_ranks)
     terms["transport.kind"] = json.dumps(cfg.transport.kind.value)
+    auth = cfg.transport.options.auth
+    terms["transport.auth.run_id"] = json.dumps(auth.run_id)
+    terms["transport.auth.secret_fingerprint"] = json.dumps(auth.fingerprint())
     terms["mesh.max_nodes"] = json.dumps(cfg.mesh.max_nodes)  # the number of data slots the data is cut into
     terms["data.seed"] = json.dumps(cfg.data.seed)
     terms["data.val_fraction"] = json.dumps(cfg.data.val_fraction)
