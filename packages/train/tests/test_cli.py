@@ -270,6 +270,7 @@ connect_s = 90
         ("[transport]\nnum_conections = 2\n", "unknown config key 'transport.options.num_conections'"),
         ("[transport.shaping]\nrate_bps = 1e9\n", "the gloo transport has neither WAN shaping nor authentication"),
         ("[transport.shaping]\nrate_bps = 1000\n", "did you mean bits"),
+        ("[transport]\nlisten_host = \"0.0.0.0\"\n", "use transport.kind=tcp or zmq for transport.options.listen_host"),
     ],
 )
 def test_bad_site_files(capsys, tmp_path, text, expected):

@@ -19,4 +19,5 @@ class TestTcpTransport(TransportConformance):
     factory = _with()
     shaped_factory = staticmethod(lambda shaping: _with(shaping=shaping))
     secured_factory = staticmethod(lambda auth: _with(auth=auth, connect_timeout_s=5))
+    addressed_factory = staticmethod(lambda hostname, listen_host: _with(hostname=hostname, listen_host=listen_host))
     supports_restart = True

@@ -7,6 +7,8 @@ authenticate every connection (auth.py). Their config is therefore one class.
 
 from __future__ import annotations
 
+import attrs
+
 from openprime.core.auth import AuthConfig
 from openprime.core.config import config, field, instance_of, positive_float, positive_int
 from openprime.core.shaping import PIECE_BYTES, LinkShaping
@@ -16,7 +18,11 @@ from openprime.core.shaping import PIECE_BYTES, LinkShaping
 class StreamTransportConfig:
     """Settings of a stream transport (TCP or ZeroMQ)."""
 
-    hostname: str = field("127.0.0.1", doc="address to listen on and advertise to peers", validator=instance_of(str))
+    hostname: str = field("127.0.0.1", doc="address peers connect to (advertised); also listened on unless listen_host",
+                          validator=instance_of(str))
+    listen_host: str | None = field(None, doc="address to listen on, when not hostname: 0.0.0.0 behind NAT, where "
+                                              "hostname is a public address no interface of this machine has",
+                                    validator=attrs.validators.optional(instance_of(str)))
     num_connections: int = field(4, doc="parallel connections per peer; large messages are striped over them",
                                  validator=positive_int())
     chunk_bytes: int = field(4 << 20, doc="largest piece of a message sent as one frame", validator=positive_int())
@@ -29,6 +35,19 @@ class StreamTransportConfig:
                                  validator=instance_of(LinkShaping))
     auth: AuthConfig = field(factory=AuthConfig, doc="run id and shared secret checked on every connection",
                              validator=instance_of(AuthConfig))
+
+    @property
+    def bind_host(self) -> str:
+        """The address the transport listens on."""
+        return self.hostname if self.listen_host is None else self.listen_host
+
+    def cannot_listen(self, error: object) -> str:
+        """The message for a listening socket that could not be bound: what was asked, why, and the way out."""
+        asked = (f"transport.options.listen_host={self.listen_host!r}" if self.listen_host is not None
+                 else f"transport.options.hostname={self.hostname!r}")
+        return (f"cannot listen on {self.bind_host!r} ({asked}): {error}. hostname is the address the other machines "
+                f"connect to; when no interface of this machine has it (a cloud VM's public address is usually NAT'ed "
+                f"to a private one), also set transport.options.listen_host=0.0.0.0 (all of this machine's addresses)")
 
     @property
     def effective_chunk_bytes(self) -> int:

@@ -21,8 +21,8 @@ import torch
 
 from openprime.core.auth import AuthConfig
 from openprime.core.collectives import all_gather_object, ring_all_reduce
-from openprime.core.distributed import connect_store, gloo_group
-from openprime.core.errors import PeerFailure
+from openprime.core.distributed import connect_store, gloo_group, host_store
+from openprime.core.errors import ConfigError, PeerFailure
 from openprime.core.harness import KILLED, GroupContext, run_group
 from openprime.core.shaping import LinkShaping
 from openprime.core.transport import Rendezvous, Transport, TransportFactory
@@ -303,14 +303,16 @@ def per_rank_factory(rendezvous: Rendezvous, rank: int, world_size: int, *,
 class TransportConformance:
     """The conformance suite. Subclass with `factory = functools.partial(top_level_fn, ...)`.
 
-    Transports that shape links, authenticate, or survive a peer's restart also set
-    `shaped_factory(LinkShaping) -> factory`, `secured_factory(AuthConfig) -> factory` and
-    `supports_restart = True`; the tests of a capability a transport lacks are skipped, not passed.
+    Transports that shape links, authenticate, listen on an address other than the one they advertise, or survive a
+    peer's restart also set `shaped_factory(LinkShaping) -> factory`, `secured_factory(AuthConfig) -> factory`,
+    `addressed_factory(hostname, listen_host) -> factory` and `supports_restart = True`; the tests of a capability a
+    transport lacks are skipped, not passed.
     """
 
     factory: TransportFactory
     shaped_factory: Callable[[LinkShaping], TransportFactory] | None = None
     secured_factory: Callable[[AuthConfig], TransportFactory] | None = None
+    addressed_factory: Callable[[str, str | None], TransportFactory] | None = None
     supports_restart: bool = False
     sizes: tuple[int, ...] = (0, 1, 7, 4096, (1 << 20) + 3, 64 << 20, 256 << 20)
     hang_deadline_s: float = 2.0
@@ -408,6 +410,22 @@ class TransportConformance:
         secret.write_text("s" * 32)
         factory = self.secured_factory(AuthConfig(run_id="r", secret_file=str(secret)))
         assert run_group(2, _body_dtypes, factory=factory) == [True, True]
+
+    def test_listens_on_listen_host_and_is_reached_at_hostname(self):
+        # What a machine behind NAT does: its public address (hostname) is on no interface; it listens on all.
+        if self.addressed_factory is None:
+            pytest.skip("this transport has no separate listening address")
+        factory = self.addressed_factory("127.0.0.1", "0.0.0.0")
+        assert run_group(2, _body_dtypes, factory=factory) == [True, True]
+
+    def test_an_address_it_cannot_listen_on_is_a_config_error_with_the_way_out(self):
+        if self.addressed_factory is None:
+            pytest.skip("this transport has no separate listening address")
+        store = host_store(timeout_s=10)
+        factory = self.addressed_factory("192.0.2.1", None)  # TEST-NET-1: an address on no interface of this machine
+        with pytest.raises(ConfigError, match=r"cannot listen on '192.0.2.1' \(transport.options.hostname='192.0.2.1'"
+                                              r"\): .*also set transport.options.listen_host=0.0.0.0"):
+            factory(Rendezvous(host="127.0.0.1", port=store.port, group="unbindable"), 0, 2)
 
     def test_peer_restart_reconnects(self):
         if not self.supports_restart:

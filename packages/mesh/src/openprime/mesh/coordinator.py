@@ -94,6 +94,9 @@ class Coordinator:
         self.terms_node = ""
         self.refusals: list[str] = []
         self.evictions: list[str] = []
+        # Nodes admitted into a running ring that have not yet been members of an applied all-reduce: if the outer
+        # step fails on every try after their admission, they are what changed (see _refuse_unproven).
+        self._unproven: set[str] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._started = time.monotonic()
@@ -307,6 +310,7 @@ class Coordinator:
         # The last view (self.members) keeps the node until the next barrier forms a view without it.
         self.nodes.pop(node, None)
         self._waiting.pop(node, None)
+        self._unproven.discard(node)
         self.evictions.append(node)
         log.warning("node %s removed: %s", node, why)
 
@@ -343,6 +347,8 @@ class Coordinator:
         arrivals = [self._waiting[m][2] for m in live_members] or [self._waiting[j][2] for j in joiners]
         step = max(a["step"] for a in arrivals)
         attempt = max(a["attempt"] for a in arrivals if a["step"] == step)
+        if attempt >= self.config.num_all_reduce_tries and self._refuse_unproven(live_members, step):
+            live_members = [m for m in live_members if m in self.nodes]
         # Members that report no state (a transfer that broke, or a node admitted earlier without it) get it
         # from a donor at this barrier, as joiners do.
         stateless = [m for m in live_members if self._waiting[m][2].get("stateless") is True]
@@ -362,6 +368,8 @@ class Coordinator:
             self._no_state_left(live_members + joiners)
             return
         members = self._ring_order(live_members, joiners)
+        if live_members:
+            self._unproven.update(joiners)  # joining a ring that works; they prove themselves in an applied step
         if members != self.members:
             self.epoch += 1  # a new set, or the same set in a new order: either way new groups
         self.members, self.step = members, step
@@ -402,6 +410,28 @@ class Coordinator:
             self._reply(route, req, {"op": "refused", "reason": reason})
         self._barrier_opened = None
 
+    def _refuse_unproven(self, live_members: list[str], step: int) -> bool:
+        """The outer step failed on every try, and some members were admitted to a ring that worked without them and
+        have not been in an applied all-reduce since: refuse them (they would fail every outer step of the whole
+        run, as a node whose peers cannot reach it, or that holds another secret, does) and go on without them.
+        Returns whether any were refused. Without members proven before them, nothing tells who is at fault."""
+        culprits = [m for m in live_members if m in self._unproven]
+        if not culprits or len(culprits) == len(live_members):
+            return False
+        reason = (f"the all-reduce of outer step {step} failed on all {self.config.num_all_reduce_tries} tries after "
+                  f"this node was admitted, where the run's other members had succeeded without it: they could not "
+                  f"exchange data with it. Check that the other machines can reach this one at its transport address "
+                  f"(transport.options.hostname, its ports, firewalls, NAT) and that it uses the run's site file; the "
+                  f"run goes on without it")
+        log.error("outer step %d: refusing %s, admitted before every try of it failed: %s", step, culprits, reason)
+        for node in culprits:
+            route, req, _ = self._waiting.pop(node)
+            self.nodes.pop(node, None)
+            self._unproven.discard(node)
+            self.refusals.append(reason)
+            self._reply(route, req, {"op": "refused", "reason": reason})
+        return True
+
     def _try_commit(self) -> None:
         committee = self._committee
         if committee is None or not committee.reports:
@@ -412,6 +442,8 @@ class Coordinator:
         # Apply only if every member of the view reported success: a member that vanished may not have it.
         apply = live == committee.members and all(committee.reports.values())
         self._decisions[(committee.step, committee.attempt)] = apply
+        if apply:
+            self._unproven -= committee.members
         for route, req in committee.waiting.values():
             self._reply(route, req, {"op": "decision", "apply": apply})
         self._committee = None

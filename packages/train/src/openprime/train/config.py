@@ -119,6 +119,10 @@ class TransportConfig:
         if self.kind is TransportKind.GLOO and (self.options.shaping.active or self.options.auth.secret_file):
             raise ConfigError("the gloo transport has neither WAN shaping nor authentication; "
                               "use transport.kind=tcp or zmq for them")
+        if self.kind is TransportKind.GLOO and self.options.listen_host is not None:
+            raise ConfigError("the gloo transport listens on transport.options.hostname itself and cannot advertise "
+                              "another address (behind NAT); use transport.kind=tcp or zmq for "
+                              "transport.options.listen_host")
 
 
 @config

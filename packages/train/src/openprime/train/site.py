@@ -5,7 +5,8 @@ copy of tomli) with two tables:
 
     [transport]                 # kind and every StreamTransportConfig field
     kind = "tcp"
-    hostname = "203.0.113.7"
+    hostname = "203.0.113.7"   # where the other machines reach this one
+    listen_host = "0.0.0.0"     # behind NAT: the public hostname is on no interface here
     num_connections = 8
     [transport.shaping]         # simulate a WAN on one machine
     rate_bps = 1e9

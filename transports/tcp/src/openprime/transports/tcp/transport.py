@@ -28,7 +28,7 @@ import torch
 
 from openprime.core import auth
 from openprime.core.distributed import connect_store
-from openprime.core.errors import FrameError, OpenPrimeError, PeerFailure
+from openprime.core.errors import ConfigError, FrameError, OpenPrimeError, PeerFailure
 from openprime.core.frames import (
     KIND_CONTROL,
     PREFIX_BYTES,
@@ -111,9 +111,12 @@ class TcpTransport(MailboxReceives, Transport):
         self._in_generation: dict[int, tuple[str, int]] = {}
         self._in_sockets: dict[int, list[socket.socket]] = defaultdict(list)
         self._store = connect_store(rendezvous, config.connect_timeout_s, suffix="/tcp")
-        self._listener = socket.create_server((config.hostname, 0), backlog=128)
-        host, port = self._listener.getsockname()[:2]
-        self._store.set(f"addr/{rank}", f"{host}:{port}")
+        try:
+            self._listener = socket.create_server((config.bind_host, 0), backlog=128)
+        except OSError as e:
+            raise ConfigError(config.cannot_listen(e.strerror or e)) from None
+        port = self._listener.getsockname()[1]
+        self._store.set(f"addr/{rank}", f"{config.hostname}:{port}")  # where peers reach it (listen_host: bound)
         threading.Thread(target=self._accept_loop, name=f"tcp-accept-{rank}", daemon=True).start()
         # Connect to every peer now, in the background, as Gloo does: a peer that dies later is then seen at
         # once (its connections to us end without a goodbye), and one that cannot be reached fails our receives.

@@ -102,7 +102,7 @@ class Receiver:
         self._config, self._rank, self._world_size = config, rank, world_size
         self._mailbox, self._secret, self._refuse_cb, self._link_lost = mailbox, secret, refuse, link_lost
         self._router = ctx.socket(zmq.ROUTER)
-        configure(self._router, config.hostname)
+        configure(self._router, config.bind_host)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished id fails instead of vanishing
         # libzmq drops a connection that announces a message part above this, before allocating it.
         self._router.setsockopt(zmq.MAXMSGSIZE, max(config.max_frame_bytes, CONTROL_MAX_BYTES))
@@ -124,10 +124,10 @@ class Receiver:
         self.failure: str | None = None  # set if the thread itself crashed (a bug): receives then fail at once
         self._thread = threading.Thread(target=self._run, name=f"zmq-recv-{rank}", daemon=True)
         try:
-            self.port = self._router.bind_to_random_port(endpoint(config.hostname))
+            self.port = self._router.bind_to_random_port(endpoint(config.bind_host))
         except zmq.ZMQError as e:
             self._close_sockets()
-            raise ConfigError(f"cannot listen on {config.hostname!r} (StreamTransportConfig.hostname): {e}") from None
+            raise ConfigError(config.cannot_listen(e)) from None
 
     def start(self) -> None:
         self._thread.start()
