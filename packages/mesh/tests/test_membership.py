@@ -119,6 +119,21 @@ def test_nobody_is_refused_when_nothing_tells_who_is_at_fault(coordinator):
     _close([*clients, late])
 
 
+def test_a_joiner_is_not_blamed_for_tries_that_failed_because_a_member_was_lost(coordinator):
+    clients = _clients(coordinator, 3)
+    run_threads([lambda c=c: c.sync(0) for c in clients])
+    run_threads([lambda c=c: c.commit(0, 0, True) for c in clients])
+    late = _admit(coordinator, clients, 1)
+    clients[2].close()  # a member leaves during the first try: that try's failure is explained
+    survivors = [clients[0], clients[1], late]
+    assert run_threads([lambda c=c: c.commit(1, 0, False) for c in survivors]) == [False] * 3
+    run_threads([lambda c=c: c.sync(1, 1) for c in survivors])
+    run_threads([lambda c=c: c.commit(1, 1, False) for c in survivors])
+    views = run_threads([lambda c=c: c.sync(1, 2) for c in survivors])
+    assert all(v.skip and "late" in v.members for v in views), views
+    _close(clients[:2] + [late])
+
+
 def test_deathrattle_removes_a_node_at_once(coordinator):
     clients = _clients(coordinator, 3)
     run_threads([lambda c=c: c.sync(0) for c in clients])

@@ -97,6 +97,7 @@ class Coordinator:
         # Nodes admitted into a running ring that have not yet been members of an applied all-reduce: if the outer
         # step fails on every try after their admission, they are what changed (see _refuse_unproven).
         self._unproven: set[str] = set()
+        self._unexplained: dict[int, int] = {}  # outer step -> its tries that failed with every member alive
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._started = time.monotonic()
@@ -411,13 +412,16 @@ class Coordinator:
         self._barrier_opened = None
 
     def _refuse_unproven(self, live_members: list[str], step: int) -> bool:
-        """The outer step failed on every try, and some members were admitted to a ring that worked without them and
-        have not been in an applied all-reduce since: refuse them (they would fail every outer step of the whole
-        run, as a node whose peers cannot reach it, or that holds another secret, does) and go on without them.
-        Returns whether any were refused. Without members proven before them, nothing tells who is at fault."""
+        """The outer step failed on every try with every member alive, and some members were admitted to a ring
+        that worked without them and have not been in an applied all-reduce since: refuse them (they would fail
+        every outer step of the whole run, as a node whose peers cannot reach it does) and go on without them.
+        Returns whether any were refused. Without members proven before them, nothing tells who is at fault; tries
+        that failed because a member was lost are explained by that loss."""
         culprits = [m for m in live_members if m in self._unproven]
         if not culprits or len(culprits) == len(live_members):
             return False
+        if self._unexplained.get(step, 0) < self.config.num_all_reduce_tries:
+            return False  # some tries failed because a member was lost: that explains them
         reason = (f"the all-reduce of outer step {step} failed on all {self.config.num_all_reduce_tries} tries after "
                   f"this node was admitted, where the run's other members had succeeded without it: they could not "
                   f"exchange data with it. Check that the other machines can reach this one at its transport address "
@@ -444,6 +448,8 @@ class Coordinator:
         self._decisions[(committee.step, committee.attempt)] = apply
         if apply:
             self._unproven -= committee.members
+        elif live == committee.members:  # nobody was lost, yet a member's all-reduce failed
+            self._unexplained = {committee.step: self._unexplained.get(committee.step, 0) + 1}
         for route, req in committee.waiting.values():
             self._reply(route, req, {"op": "decision", "apply": apply})
         self._committee = None
