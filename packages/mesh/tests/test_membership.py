@@ -2,11 +2,13 @@
 the deathrattle, joins at outer steps, skipping after failed tries, a restarted coordinator, and
 hash disagreement. Fast: heartbeats every 0.1 s."""
 
+import socket
 import time
 
 import attrs
 import pytest
 
+from openprime.core.errors import PeerFailure
 from openprime.core.testing import run_threads
 from openprime.mesh import Coordinator, Evicted, JoinRefused, MeshClient, MeshConfig
 
@@ -328,6 +330,22 @@ def test_a_node_says_when_its_coordinator_goes_silent_and_when_it_answers_again(
     assert "mesh.sync_timeout_s = 10s" in silent[0] and f"openprime mesh serve --bind {address}" in silent[0]
     back = said("answers again")
     assert len(back) == 1 and "(heartbeat)" in back[0], back
+
+
+def test_a_node_joining_where_no_coordinator_answers_says_so(caplog):
+    # A wrong --join address, or a coordinator not started yet: before, the node waited mesh.sync_timeout_s in silence.
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+    client = MeshClient(address, FAST, node_id="lost")
+    caplog.set_level("WARNING", logger="openprime.mesh.client")
+    try:
+        with pytest.raises(PeerFailure, match="did not answer join in time"):
+            client.join(timeout_s=1.0)
+    finally:
+        client.close(leave=False)
+    said = [r.getMessage() for r in caplog.records if f"coordinator at {address} has not answered" in r.getMessage()]
+    assert said and f"If none runs there, start one (`openprime mesh serve --bind {address}`)" in said[0], said
 
 
 def _restart_after_one_outer_step(coordinator, config=FAST, terms=None):

@@ -89,6 +89,7 @@ class MeshClient:
         self._stop = threading.Event()
         self._heartbeats: threading.Thread | None = None
         self._answered_at = time.monotonic()  # the coordinator's last reply to any request
+        self._silence_lock = threading.Lock()
         self._warn_silence_s = config.coordinator_silence_warning_s  # next "silent for" warning, doubled each time
 
     def _socket(self) -> zmq.Socket:
@@ -114,6 +115,7 @@ class MeshClient:
         message = {"op": op, "req": req, **self._belief(), **fields}
         while True:
             sock.send(pack(message, run_id=self.config.run_id, secret=self._secret))
+            self._warn_if_silent()  # also at join, before there are heartbeats: a wrong address, no coordinator yet
             resend_at = min(deadline, time.monotonic() + self.config.request_timeout_s)
             while (left := resend_at - time.monotonic()) > 0:
                 if not sock.poll(left * 1000):
@@ -208,29 +210,31 @@ class MeshClient:
                     log.warning("node %s: the coordinator evicted this node", self.node)
                     return
                 except PeerFailure:
-                    self._warn_if_silent()  # the coordinator is away (restarting?); keep trying
+                    continue  # the coordinator is away (restarting?); keep trying (_request warns)
         finally:
             sock.close(linger=0)
 
     def _warn_if_silent(self) -> None:
-        """Say so when the coordinator has not answered for a while (a node otherwise waits at the barrier in
-        silence, up to `sync_timeout_s`): after `coordinator_silence_warning_s`, then twice as long, and so on."""
-        silent_s = time.monotonic() - self._answered_at
-        if silent_s < self._warn_silence_s:
-            return
-        self._warn_silence_s *= 2
+        """Say so when the coordinator has not answered for a while (a node otherwise waits in silence, up to
+        `sync_timeout_s`): after `coordinator_silence_warning_s`, then twice as long, and so on."""
+        with self._silence_lock:
+            silent_s = time.monotonic() - self._answered_at
+            if silent_s < self._warn_silence_s:
+                return
+            self._warn_silence_s *= 2
         log.warning("node %s: the coordinator at %s has not answered for %.1fs; waiting for it (at most "
-                    "mesh.sync_timeout_s = %.0fs at an outer-step barrier). If it stopped, restart it at the same "
-                    "address (`openprime mesh serve --bind %s`): it continues the run from what the nodes report",
+                    "mesh.sync_timeout_s = %.0fs). If none runs there, start one (`openprime mesh serve --bind %s`); "
+                    "one restarted at that address continues the run from what the nodes report",
                     self.node, self.address, silent_s, self.config.sync_timeout_s, self.address)
 
     def _answered(self, op: str) -> None:
-        now = time.monotonic()
-        if self._warn_silence_s > self.config.coordinator_silence_warning_s:  # it had been silent long enough to warn
-            self._warn_silence_s = self.config.coordinator_silence_warning_s
+        with self._silence_lock:
+            now, silent_s = time.monotonic(), time.monotonic() - self._answered_at
+            warned = self._warn_silence_s > self.config.coordinator_silence_warning_s
+            self._answered_at, self._warn_silence_s = now, self.config.coordinator_silence_warning_s
+        if warned:
             log.warning("node %s: the coordinator at %s answers again (%s) after %.1fs of silence",
-                        self.node, self.address, op, now - self._answered_at)
-        self._answered_at = now
+                        self.node, self.address, op, silent_s)
 
     def leave(self) -> None:
         """The deathrattle: tell the coordinator at once that this node is going (best effort)."""
