@@ -43,7 +43,7 @@ def test_recipe_without_config(capsys, tmp_path):
 
 def test_unknown_key_lists_valid_keys(capsys, tmp_path):
     err = _fails(capsys, tmp_path, DEBUG, "--set", "diloco.inner_stepz=3")
-    assert "unknown config key 'diloco.inner_stepz'" in err
+    assert "unknown config key 'diloco.inner_stepz' (did you mean 'diloco.num_inner_steps'" in err
     assert "diloco.num_inner_steps" in err and "optim.lr" in err
 
 
@@ -276,6 +276,22 @@ connect_s = 90
 def test_bad_site_files(capsys, tmp_path, text, expected):
     err = _fails(capsys, tmp_path, DEBUG, "--network", _site(tmp_path, text))
     assert expected in err, err
+
+
+@pytest.mark.parametrize("address", ["foo", ":", "127.0.0.1:", ":29500", "127.0.0.1:99999", "127.0.0.1:0"])
+def test_a_join_address_that_is_not_host_and_port_is_refused(capsys, tmp_path, address):
+    # Before: every node failed with a ZeroMQ traceback ("Invalid argument"), or waited for a port that cannot exist.
+    err = _fails(capsys, tmp_path, DEBUG, "--join", address)
+    assert f"--join {address!r}: expected HOST:PORT of the run's coordinator" in err, err
+
+
+def test_a_run_directory_that_cannot_be_written_is_a_clear_error(capsys, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    assert main(["run", DEBUG, "--run-dir", str(blocker / "run"), "--set", "train.num_threads=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"openprime: error: cannot write the run directory {blocker / 'run'}: ") and \
+        "choose another with --run-dir" in err, err
 
 
 def test_missing_site_file(capsys, tmp_path):

@@ -11,6 +11,7 @@ and `to_dict` gives the plain dict that every run writes next to its metrics.
 
 from __future__ import annotations
 
+import difflib
 import enum
 import pathlib
 import types
@@ -195,7 +196,9 @@ def override(cfg: T, key: str, raw: str) -> T:
     valid = config_keys(cfg)
     if key not in valid:
         listing = "\n  ".join(valid)
-        raise ConfigError(f"unknown config key {key!r}; valid keys are:\n  {listing}")
+        close = difflib.get_close_matches(key, valid, n=3, cutoff=0.6)  # first, for a typo: the list is long
+        guess = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
+        raise ConfigError(f"unknown config key {key!r}{guess}; valid keys are:\n  {listing}")
     return _set(cfg, key.split("."), raw, key)
 
 

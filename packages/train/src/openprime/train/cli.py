@@ -246,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.nodes < 1:
             raise ConfigError(f"--nodes must be >= 1, got {args.nodes}")
+        if args.join:
+            check_join_address(args.join)
         overrides = site_overrides(args.network) if args.network else []
         if args.transport:
             overrides.append(f"transport.kind={args.transport}")
@@ -272,10 +274,25 @@ def main(argv: list[str] | None = None) -> int:
     except OpenPrimeError as e:
         print(f"openprime: error: {e}", file=sys.stderr)
         return 2
-    write_run_files(run_dir, cfg, recipe=args.recipe.resolve(), recipe_files=loaded_recipe_files(),
-                    overrides=overrides, num_nodes=args.nodes, resumed_from=resume.path if resume else None)
+    try:
+        write_run_files(run_dir, cfg, recipe=args.recipe.resolve(), recipe_files=loaded_recipe_files(),
+                        overrides=overrides, num_nodes=args.nodes, resumed_from=resume.path if resume else None)
+    except OSError as e:
+        print(f"openprime: error: cannot write the run directory {run_dir}: {e.strerror or e} "
+              f"({e.filename or run_dir}); choose another with --run-dir", file=sys.stderr)
+        return 2
     return launch(cfg, num_nodes=args.nodes, run_dir=run_dir, coordinator=args.join, resume=resume,
                   first_node=first_node)
+
+
+def check_join_address(address: str) -> None:
+    """`--join HOST:PORT`: a host and a port number, as `openprime mesh serve` prints them (ConfigError otherwise;
+    before, nodes failed with a ZeroMQ traceback or waited for a port that cannot exist)."""
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")  # [IPv6]:port
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"--join {address!r}: expected HOST:PORT of the run's coordinator with a port from 1 to "
+                          f"65535, e.g. 203.0.113.7:29500 (`openprime mesh serve` prints its address)")
 
 
 def _check_run_dir(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path) -> int:
