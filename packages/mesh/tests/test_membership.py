@@ -348,6 +348,22 @@ def test_a_node_joining_where_no_coordinator_answers_says_so(caplog):
     assert said and f"If none runs there, start one (`openprime mesh serve --bind {address}`)" in said[0], said
 
 
+def test_nodes_reach_the_store_where_they_reach_a_coordinator_listening_on_every_interface():
+    # `openprime mesh serve` listens on 0.0.0.0 by default and named its store "0.0.0.0:PORT": a node on another
+    # machine then connected to itself, and no group of a multi-machine run could meet.
+    coordinator = Coordinator(FAST, bind="tcp://0.0.0.0:0").start()
+    port = coordinator.address.rsplit(":", 1)[1]
+    client = MeshClient(f"127.0.0.1:{port}", FAST, node_id="far")
+    try:
+        assert coordinator.store.startswith("0.0.0.0:")
+        client.join()
+        assert client.store == f"127.0.0.1:{coordinator.store.rsplit(':', 1)[1]}"
+        assert client.sync(0).members == ("far",) and client.store.startswith("127.0.0.1:")
+    finally:
+        client.close()
+        coordinator.stop()
+
+
 def _restart_after_one_outer_step(coordinator, config=FAST, terms=None):
     """Two members finish outer step 0 and go quiet (no heartbeats until their next sync, so that the restarted
     coordinator hears from them only then); the coordinator is restarted at its address. Returns both."""

@@ -4,6 +4,7 @@ the model over a fake group of local ranks and print the plan; the GPU checks be
 import math
 import pathlib
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -315,3 +316,19 @@ def test_set_wins_over_site_file(tmp_path):
     site = _site(tmp_path, "[transport]\nkind = \"tcp\"\nnum_connections = 8\n")
     cfg = recipe_config(DEBUG, [*site_overrides(site), "transport.options.num_connections=2"])
     assert cfg.transport.options.num_connections == 2
+
+
+@pytest.mark.parametrize("bind", ["foo", "tcp://127.0.0.1:99999", "tcp://:29500"])
+def test_mesh_serve_refuses_a_bind_address_that_is_not_host_and_port(capsys, bind):
+    assert main(["mesh", "serve", "--bind", bind]) == 2
+    assert "expected tcp://HOST:PORT to listen on" in capsys.readouterr().err
+
+
+def test_mesh_serve_on_a_port_in_use_is_a_clear_error(capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["mesh", "serve", "--bind", f"tcp://127.0.0.1:{port}"]) == 2
+    err = capsys.readouterr().err
+    assert f"the coordinator cannot listen on 'tcp://127.0.0.1:{port}': Address already in use" in err, err

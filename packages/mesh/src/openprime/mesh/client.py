@@ -149,7 +149,7 @@ class MeshClient:
             reply = self._request(self._sock, "join", deadline, **self._terms())
         if reply.get("op") != "joined":
             raise JoinRefused(f"coordinator refused to let node {self.node} join: {reply.get('reason')}")
-        self.slot, self.store, self.joined_epoch = reply["slot"], reply["store"], reply["epoch"]
+        self.slot, self.store, self.joined_epoch = reply["slot"], self._reachable(reply["store"]), reply["epoch"]
         self._start_heartbeats()
         return self.slot
 
@@ -177,8 +177,16 @@ class MeshClient:
         view = View(epoch=reply["epoch"], members=tuple(reply["members"]), new=tuple(reply["new"]),
                     step=reply["step"], attempt=reply["attempt"], skip=reply["skip"],
                     slots=tuple((n, s) for n, s in reply["slots"]), state_hash=reply.get("state_hash"))
-        self.view, self.store = view, reply.get("store", self.store)
+        self.view, self.store = view, self._reachable(reply["store"]) if "store" in reply else self.store
         return view
+
+    def _reachable(self, store: str) -> str:
+        """The rendezvous store's address as this node reaches it: the coordinator hosts the store, so at the host
+        this node reaches the coordinator at, with the store's port. The coordinator names its own bind address,
+        which for one listening on every interface (`openprime mesh serve`'s default, 0.0.0.0) is no address another
+        machine can connect to: there, nodes on other machines connected to themselves and never met."""
+        host = self.address.split("://", 1)[-1].rsplit(":", 1)[0]
+        return f"{host}:{store.rsplit(':', 1)[1]}"
 
     def commit(self, step: int, attempt: int, ok: bool) -> bool:
         """Report this node's all-reduce outcome; True when every member succeeded (apply it)."""

@@ -30,6 +30,7 @@ import zmq
 
 from openprime.core.auth import AuthConfig
 from openprime.core.distributed import host_store
+from openprime.core.errors import ConfigError
 from openprime.mesh.config import MeshConfig
 from openprime.mesh.protocol import BadMessage, check_request, pack, unpack
 from openprime.mesh.ring_order import best_ring, ring_bottleneck
@@ -69,12 +70,19 @@ class Coordinator:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, 16 * config.max_message_bytes)  # above: dropped by ZeroMQ itself
-        if bind.endswith(":0"):
-            port = self._sock.bind_to_random_port(bind.rsplit(":", 1)[0])
-            self.address = f"{bind.rsplit(':', 1)[0]}:{port}"
-        else:
-            self._sock.bind(bind)
-            self.address = bind
+        try:
+            if bind.endswith(":0"):
+                port = self._sock.bind_to_random_port(bind.rsplit(":", 1)[0])
+                self.address = f"{bind.rsplit(':', 1)[0]}:{port}"
+            else:
+                self._sock.bind(bind)
+                self.address = bind
+        except zmq.ZMQError as e:
+            self._sock.close(linger=0)
+            self._ctx.term()
+            raise ConfigError(f"the coordinator cannot listen on {bind!r}: {e.strerror}; give --bind "
+                              f"tcp://HOST:PORT with an address of this machine (0.0.0.0: all of them) and a free "
+                              f"port (is another coordinator running there?)") from None
         # The rendezvous store where each group of each epoch meets (openprime.core.distributed).
         host = self.address.split("://", 1)[-1].rsplit(":", 1)[0]
         self._store = host_store("127.0.0.1" if host in ("*", "0.0.0.0") else host, store_port,

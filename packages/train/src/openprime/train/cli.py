@@ -24,6 +24,7 @@ import datetime
 import json
 import pathlib
 import signal
+import socket
 import sys
 
 import attrs
@@ -135,13 +136,20 @@ def serve_mesh(args: argparse.Namespace) -> int:
         for item in args.overrides:
             key, _, value = item.partition("=")
             cfg = override(cfg, key.strip(), value.strip())
+        bind = args.bind if "://" in args.bind else f"tcp://{args.bind}"
+        check_join_address(bind, "--bind")
+        coordinator = Coordinator(cfg, bind=bind, store_port=args.store_port)
     except ConfigError as e:
         print(f"openprime: error: {e}", file=sys.stderr)
         return 2
-    bind = args.bind if "://" in args.bind else f"tcp://{args.bind}"
-    coordinator = Coordinator(cfg, bind=bind, store_port=args.store_port)
-    print(f"openprime: coordinator at {coordinator.address}, rendezvous store at {coordinator.store}; "
-          f"nodes join with `openprime run RECIPE --join {coordinator.address.split('://')[-1]}`", flush=True)
+    host, port = coordinator.address.split("://")[-1].rsplit(":", 1)
+    store_port = coordinator.store.rsplit(":", 1)[1]
+    where = ""
+    if host in ("0.0.0.0", "*", "[::]"):  # every interface: the nodes need one of this machine's addresses
+        host, where = "HOST", f", HOST being an address of this machine that they reach (e.g. {socket.gethostname()})"
+    print(f"openprime: coordinator at {coordinator.address} and its rendezvous store at port {store_port} (both must "
+          f"be reachable from the nodes); nodes join with `openprime run RECIPE --join {host}:{port}`{where}",
+          flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with contextlib.suppress(KeyboardInterrupt):
         coordinator.serve_forever()
@@ -285,14 +293,15 @@ def main(argv: list[str] | None = None) -> int:
                   first_node=first_node)
 
 
-def check_join_address(address: str) -> None:
-    """`--join HOST:PORT`: a host and a port number, as `openprime mesh serve` prints them (ConfigError otherwise;
+def check_join_address(address: str, flag: str = "--join") -> None:
+    """`--join HOST:PORT` (or `mesh serve --bind`): a host and a port number from 1 to 65535 (ConfigError otherwise;
     before, nodes failed with a ZeroMQ traceback or waited for a port that cannot exist)."""
     host, _, port = address.removeprefix("tcp://").rpartition(":")
     host = host.removeprefix("[").removesuffix("]")  # [IPv6]:port
     if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ConfigError(f"--join {address!r}: expected HOST:PORT of the run's coordinator with a port from 1 to "
-                          f"65535, e.g. 203.0.113.7:29500 (`openprime mesh serve` prints its address)")
+        what = ("HOST:PORT of the run's coordinator, e.g. 203.0.113.7:29500 (`openprime mesh serve` prints it)"
+                if flag == "--join" else "tcp://HOST:PORT to listen on, e.g. tcp://0.0.0.0:29500")
+        raise ConfigError(f"{flag} {address!r}: expected {what}, with a port from 1 to 65535")
 
 
 def _check_run_dir(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path) -> int:
