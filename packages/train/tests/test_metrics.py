@@ -80,3 +80,40 @@ def test_metrics_tail_returns_whole_lines_once(tmp_path):
     assert tail.poll() == [{"kind": "step", "step": 2}]
     assert tail.poll() == []
     assert [r["step"] for r in tail.records] == [1, 2]
+
+
+def test_a_full_disk_drops_records_with_one_warning_and_training_goes_on(tmp_path, monkeypatch, caplog):
+    import errno
+    import os
+
+    from openprime.train import metrics
+
+    writer = MetricsWriter(tmp_path, node=3)
+    writer.write("step", step=1, loss=2.0)
+    write = os.write
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(metrics.os, "write", full)
+    with caplog.at_level("WARNING", logger="openprime.train.metrics"):
+        writer.write("step", step=2, loss=1.9)  # before: OSError, and the node died with it
+        writer.write("step", step=3, loss=1.8)
+    monkeypatch.setattr(metrics.os, "write", write)  # room again
+    writer.write("step", step=4, loss=1.7)
+    writer.close()
+    assert writer.num_dropped == 2
+    assert [r.getMessage() for r in caplog.records] == [
+        "node 3: cannot write its metrics ([Errno 28] No space left on device); training goes on, its records are "
+        "dropped until the disk has room (this warning is not repeated)"]
+    assert [r["step"] for r in read_records(tmp_path)] == [1, 4]
+
+
+def test_readers_skip_a_line_cut_short(tmp_path, caplog):
+    whole = json.dumps({"kind": "step", "node": 0, "step": 1})
+    (tmp_path / "metrics.jsonl").write_text(whole + '\n{"kind": "step", "no' + "\n" + whole.replace("1}", "2}") + "\n")
+    with caplog.at_level("WARNING", logger="openprime.train.metrics"):
+        assert [r["step"] for r in read_records(tmp_path)] == [1, 2]
+        tail = MetricsTail(tmp_path)
+        assert [r["step"] for r in tail.poll()] == [1, 2]
+    assert "skipping a line that is not a whole record" in caplog.text

@@ -3,12 +3,16 @@
 Each record is one JSON object on one line with `kind` ("step", "outer", "start", "end"), `node`,
 and a wall-clock `time`. Nodes append whole lines with single O_APPEND writes, so their records
 interleave but never tear. `summarize` reads a run back (the launcher's closing table, the tests).
+
+A full disk must not end a run (its checkpoints already fall back, openprime.ckpt): a record that cannot be
+written is dropped with one warning per node, and the readers skip a line a short write left unfinished.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import pathlib
 import sys
@@ -20,12 +24,15 @@ import attrs
 
 METRICS_FILE = "metrics.jsonl"
 
+log = logging.getLogger("openprime.train.metrics")
+
 
 class MetricsWriter:
     """Appends this node's records to the run's metrics file (and, given a directory, as TensorBoard scalars)."""
 
     def __init__(self, run_dir: pathlib.Path, node: int, *, tensorboard_dir: pathlib.Path | None = None) -> None:
         self.node = node
+        self.num_dropped = 0  # records that could not be written
         self._fd = os.open(run_dir / METRICS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._tb = None
         if tensorboard_dir is not None:
@@ -35,7 +42,13 @@ class MetricsWriter:
 
     def write(self, kind: str, **fields: Any) -> None:
         record = {"kind": kind, "node": self.node, "time": round(time.time(), 3), **fields}
-        os.write(self._fd, (json.dumps(record) + "\n").encode())
+        try:
+            os.write(self._fd, (json.dumps(record) + "\n").encode())
+        except OSError as e:  # a full disk (ENOSPC), a quota: training goes on without its records
+            if not self.num_dropped:
+                log.warning("node %d: cannot write its metrics (%s); training goes on, its records are dropped "
+                            "until the disk has room (this warning is not repeated)", self.node, e)
+            self.num_dropped += 1
         if self._tb is not None and isinstance(fields.get("step"), int):
             for name, value in fields.items():
                 if isinstance(value, int | float) and not isinstance(value, bool) and name != "step":
@@ -147,14 +160,27 @@ class MetricsTail:
             data = f.read()
         self._offset += len(data)
         *lines, self._partial = (self._partial + data).split(b"\n")
-        new = [json.loads(line) for line in lines if line.strip()]
+        new = _parse(lines, self.path)
         self.records.extend(new)
         return new
 
 
+def _parse(lines: list[str] | list[bytes], path: pathlib.Path) -> list[dict[str, Any]]:
+    """The records of whole lines; a line that is not one (a write cut short by a full disk) is skipped, logged."""
+    records = []
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            log.warning("%s: skipping a line that is not a whole record (a write cut short?): %.80r", path, line)
+    return records
+
+
 def read_records(run_dir: pathlib.Path) -> list[dict[str, Any]]:
     path = run_dir / METRICS_FILE
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return _parse(path.read_text().splitlines(), path)
 
 
 def summarize(run_dir: pathlib.Path) -> RunSummary:
