@@ -270,3 +270,21 @@ def test_machines_with_their_own_disks_resume_bit_identically_or_from_older_save
     # Each machine's disk alone can be exported (a node's parts hold the run's weights), and they agree.
     (_, weights_a, _), (_, weights_b, _) = load_model_weights(a), load_model_weights(b)
     assert weights_a.keys() == weights_b.keys() and all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
+
+
+@pytest.mark.slow
+def test_a_launch_whose_nodes_are_refused_exits_2_without_a_command_that_would_fail_again(tmp_path):
+    """A run ends on a standalone coordinator; a second launch joins it without a checkpoint: the coordinator refuses
+    its node (no node holding the run's state is left). The launch says the error names the change to make, exits 2
+    (1: a failure that the same command may get past), and prints no `--resume latest` command of its own."""
+    short = ("--nodes", "1", "--set", "train.num_steps=60", "--set", "checkpoint.interval_steps=30",
+             "--set", "diloco.num_inner_steps=30", "--set", "train.seq_len=32", "--set", "train.num_threads=1")
+    with _coordinator(1) as address:
+        _openprime("run", str(ROOT / "recipes" / "debug.py"), "--join", address, "--run-dir", str(tmp_path / "a"),
+                   *short)
+        late = _openprime("run", str(ROOT / "recipes" / "debug.py"), "--join", address, "--run-dir",
+                          str(tmp_path / "b"), *short, expect=2)
+    out = late.stdout + late.stderr
+    assert "[node 0] error: coordinator refused node" in out and "no node holding the run's state is left" in out
+    assert "run failed: its nodes were refused or misconfigured; the error above says what to change" in out
+    assert "continue with" not in out and "Traceback" not in out, out

@@ -11,6 +11,7 @@ from openprime.core.config import (
     field_doc,
     one_of_enum,
     override,
+    override_all,
     positive_float,
     positive_int,
     to_dict,
@@ -99,3 +100,35 @@ def test_to_dict_is_json_ready():
     d = to_dict(Outer())
     assert d["inner"]["mode"] == "fast"
     assert json.loads(json.dumps(d)) == d | {"inner": d["inner"] | {"betas": [0.9, 0.95]}}
+
+
+@config
+class Steps:
+    every: int = field(20, doc="inner steps per outer step", validator=positive_int())
+    save_every: int = field(20, doc="steps between saves", validator=positive_int())
+
+    def __attrs_post_init__(self) -> None:
+        if self.save_every % self.every:
+            raise ConfigError(f"save_every {self.save_every} is not a multiple of every {self.every}")
+
+
+@config
+class Run:
+    steps: Steps = field(factory=Steps, doc="steps")
+    name: str = field("run", doc="name")
+
+
+def test_overrides_that_are_valid_only_together_are_applied_together():
+    # 20/20 -> 30/30: each alone breaks the rule (30 % 20, 20 % 30), in either order. Before: always refused.
+    for items in ([("steps.every", "30"), ("steps.save_every", "30")],
+                  [("steps.save_every", "30"), ("steps.every", "30")]):
+        cfg = override_all(Run(), items)
+        assert (cfg.steps.every, cfg.steps.save_every) == (30, 30)
+    # One valid on its own after another: applied in turn (20/20 -> 10/30 needs `every` first).
+    assert override_all(Run(), [("steps.save_every", "30"), ("steps.every", "10")]).steps.save_every == 30
+    # The last of a repeated key wins; a rule still broken at the end names the first override that broke it.
+    assert override_all(Run(), [("name", "a"), ("name", "b")]).name == "b"
+    with pytest.raises(ConfigError, match=r"steps.save_every=50: save_every 50 is not a multiple of every 20"):
+        override_all(Run(), [("steps.save_every", "50"), ("name", "x")])
+    with pytest.raises(ConfigError, match=r"unknown config key 'steps.evry' \(did you mean 'steps.every'"):
+        override_all(Run(), [("steps.save_every", "30"), ("steps.evry", "30")])

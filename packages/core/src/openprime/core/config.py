@@ -16,7 +16,7 @@ import enum
 import pathlib
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import attrs
@@ -200,6 +200,53 @@ def override(cfg: T, key: str, raw: str) -> T:
         guess = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
         raise ConfigError(f"unknown config key {key!r}{guess}; valid keys are:\n  {listing}")
     return _set(cfg, key.split("."), raw, key)
+
+
+def override_all(cfg: T, items: Sequence[tuple[str, str]]) -> T:
+    """`cfg` with every (key, raw) override applied, the last of a repeated key winning.
+
+    Each override is validated as it is applied (its errors name it). Overrides that break a cross-field rule only
+    until the others are applied too (H and the checkpoint interval changed together, where each alone is not a
+    multiple of the other's old value) are then applied together, each config object evolved once with all of its
+    changes, and validated as a whole; what fails that way raises the first one's error.
+    """
+    pending = list(dict(items).items())  # one per key, the last value, in the order of their last occurrence
+    while pending:
+        failed = []
+        for key, raw in pending:
+            try:
+                cfg = override(cfg, key, raw)
+            except ConfigError as e:
+                failed.append((key, raw, e))
+        if len(failed) == len(pending):
+            valid = set(config_keys(cfg))
+            if any(key not in valid for key, _, _ in failed):
+                raise next(e for key, _, e in failed if key not in valid)  # a typo: its own error, with the keys
+            try:
+                return _set_together(cfg, [(key, raw) for key, raw, _ in failed])
+            except ConfigError:
+                raise failed[0][2] from None
+        pending = [(key, raw) for key, raw, _ in failed]
+    return cfg
+
+
+def _set_together(cfg: T, items: Sequence[tuple[str, str]]) -> T:
+    """`cfg` with all of `items` applied at once: every config object on their paths is evolved (and validated) once."""
+    changes: dict[str, Any] = {}
+    for key, raw in items:
+        *path, name = key.split(".")
+        node = changes
+        for part in path:
+            node = node.setdefault(part, {})
+        node[name] = (key, raw)
+
+    def apply(obj: Any, tree: dict[str, Any]) -> Any:
+        hints = typing.get_type_hints(type(obj))
+        values = {name: apply(getattr(obj, name), sub) if isinstance(sub, dict) else _parse(sub[1], hints[name], sub[0])
+                  for name, sub in tree.items()}
+        return attrs.evolve(obj, **values)
+
+    return apply(cfg, changes)
 
 
 def _set(cfg: T, parts: list[str], raw: str, key: str) -> T:

@@ -31,7 +31,7 @@ import attrs
 import torch
 
 from openprime.ckpt import Checkpoint, check_compatible, list_steps
-from openprime.core.config import override
+from openprime.core.config import override_all
 from openprime.core.errors import ConfigError, OpenPrimeError
 from openprime.mesh import Coordinator, MeshConfig
 from openprime.train.config import RunConfig, TransportKind
@@ -132,10 +132,8 @@ def export_model(args: argparse.Namespace) -> int:
 def serve_mesh(args: argparse.Namespace) -> int:
     """`openprime mesh serve`: a coordinator on this machine until interrupted."""
     try:
-        cfg = MeshConfig(min_nodes=max(1, args.min_nodes))
-        for item in args.overrides:
-            key, _, value = item.partition("=")
-            cfg = override(cfg, key.strip(), value.strip())
+        items = [(key.strip(), value.strip()) for key, _, value in (item.partition("=") for item in args.overrides)]
+        cfg = override_all(MeshConfig(min_nodes=max(1, args.min_nodes)), items)
         bind = args.bind if "://" in args.bind else f"tcp://{args.bind}"
         check_join_address(bind, "--bind")
         coordinator = Coordinator(cfg, bind=bind, store_port=args.store_port)

@@ -100,6 +100,10 @@ def _leave(signum: int = signal.SIGTERM, *_: object) -> None:
     sys.exit(128 + signum)
 
 
+# The exit code of a node refused by the coordinator or stopped by a config error: its message says what to change;
+# running the same command again would fail the same way (1: any other error).
+REFUSED_EXIT = 2
+
 # `kill -USR1 PID` makes a node process print every thread's Python stack to its stderr (and go on): how to see
 # where a node that is alive but stuck waits. Launcher.wait does it to every node still running at its timeout.
 STACKS_SIGNAL = signal.SIGUSR1
@@ -214,7 +218,8 @@ def node_main(cfg: RunConfig, node: int, coordinator: str, run_dir: pathlib.Path
         where = f"node {node}" + (f" local rank {local_rank}" if cfg.fsdp.sharded else "")
         if isinstance(e, ConfigError | JoinRefused):  # the user's to fix, and the message says how: no traceback
             print(f"[{where}] error: {e}", file=sys.stderr, flush=True)
-        elif not isinstance(e, SystemExit):
+            sys.exit(REFUSED_EXIT)
+        if not isinstance(e, SystemExit):
             print(f"[{where}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         sys.exit(e.code if isinstance(e, SystemExit) else 1)
 
@@ -363,9 +368,12 @@ def launch(cfg: RunConfig, *, num_nodes: int, run_dir: pathlib.Path, coordinator
     for node, code in failed.items():
         print(f"openprime: node {node} exited with code {code}; the others went on without it", file=sys.stderr)
     if len(failed) == len(codes):
-        print("openprime: run failed: no node finished. See the log above.", file=sys.stderr)
-        _print_checkpoints(cfg, run_dir, num_nodes=num_nodes, joined=coordinator)
-        return 1
+        refused = all(c == REFUSED_EXIT for c in codes.values())
+        print("openprime: run failed: " + ("its nodes were refused or misconfigured; the error above says what to "
+                                           "change before starting them again" if refused else
+                                           "no node finished. See the log above."), file=sys.stderr)
+        _print_checkpoints(cfg, run_dir, num_nodes=num_nodes, joined=coordinator, how_to_continue=not refused)
+        return REFUSED_EXIT if refused else 1
     _print_summary(cfg, run_dir, time.monotonic() - start, num_nodes=num_nodes, joined=coordinator)
     return 0
 
@@ -416,7 +424,8 @@ def _print_summary(cfg: RunConfig, run_dir: pathlib.Path, elapsed_s: float, *, n
     _print_checkpoints(cfg, run_dir, num_nodes=num_nodes, joined=joined)
 
 
-def _print_checkpoints(cfg: RunConfig, run_dir: pathlib.Path, *, num_nodes: int, joined: str | None) -> None:
+def _print_checkpoints(cfg: RunConfig, run_dir: pathlib.Path, *, num_nodes: int, joined: str | None,
+                       how_to_continue: bool = True) -> None:
     """Where the run's checkpoints are and the command that continues it (after an end, a failure or Ctrl-C)."""
     root = checkpoint_root(cfg.checkpoint, run_dir)
     steps = list_steps(root)
@@ -424,6 +433,6 @@ def _print_checkpoints(cfg: RunConfig, run_dir: pathlib.Path, *, num_nodes: int,
         # A launch joined to a standalone coordinator (one machine of several) resumes joined to it again.
         join = f" --join {joined}" if joined else ""
         more = (f"continue with `openprime run RECIPE --nodes {num_nodes}{join} --run-dir {run_dir} --resume latest`; "
-                if steps[-1] < cfg.train.num_steps else "")
+                if steps[-1] < cfg.train.num_steps and how_to_continue else "")
         print(f"  checkpoints: {root} (newest: step {steps[-1]}); {more}export the model with "
               f"`openprime export {run_dir} OUT_DIR`")
