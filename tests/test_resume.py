@@ -97,22 +97,29 @@ def test_a_corrupt_checkpoint_falls_back_to_the_previous_one(baseline, stopped, 
     assert summarize(run_dir).distinct_hashes[6] == summarize(baseline).distinct_hashes[6]  # from 20 to the same end
 
 
-@pytest.mark.slow
-def test_ctrl_c_stops_the_nodes_and_says_how_to_continue(baseline, tmp_path):
-    """SIGINT to `openprime run` (Ctrl-C) after its first checkpoint: the nodes leave, the command exits 130 naming
-    the newest checkpoint and the command that continues the run, and that command ends where the baseline does."""
-    run_dir = tmp_path / "run"
+def _signalled_after_the_first_checkpoint(run_dir: pathlib.Path, signum: int) -> tuple[int, str]:
+    """`openprime run` of the short 2-node run, sent `signum` once its first checkpoint is written; returns its exit
+    code and output."""
     proc = subprocess.Popen([sys.executable, "-m", "openprime.train.cli", "run", str(ROOT / "recipes" / "debug.py"),
                              "--run-dir", str(run_dir), *SHORT], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     try:
         wait_for(run_dir, lambda records: any(r["kind"] == "checkpoint" for r in records), timeout_s=120)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signum)
         out = proc.communicate(timeout=60)[0]
     finally:
         proc.kill()
         proc.wait(timeout=30)
-    assert proc.returncode == 130, out[-3000:]
+    return proc.returncode, out
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_nodes_and_says_how_to_continue(baseline, tmp_path):
+    """SIGINT to `openprime run` (Ctrl-C) after its first checkpoint: the nodes leave, the command exits 130 naming
+    the newest checkpoint and the command that continues the run, and that command ends where the baseline does."""
+    run_dir = tmp_path / "run"
+    returncode, out = _signalled_after_the_first_checkpoint(run_dir, signal.SIGINT)
+    assert returncode == 130, out[-3000:]
     assert "openprime: interrupted; stopping the nodes (they leave gracefully)" in out
     assert f"continue with `openprime run RECIPE --nodes 2 --run-dir {run_dir} --resume latest`" in out
     assert "Traceback" not in out, out[-3000:]
@@ -127,17 +134,8 @@ def test_sigterm_or_sighup_stops_the_nodes_as_ctrl_c_does(tmp_path, signum):
     """`kill` or a job scheduler (SIGTERM), a closed terminal or ssh session (SIGHUP): the launcher stops its nodes
     gracefully (each sends its deathrattle) and says how to continue; before, it died at once and they went on."""
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "openprime.train.cli", "run", str(ROOT / "recipes" / "debug.py"),
-                             "--run-dir", str(run_dir), *SHORT], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    try:
-        wait_for(run_dir, lambda records: any(r["kind"] == "checkpoint" for r in records), timeout_s=120)
-        proc.send_signal(signum)
-        out = proc.communicate(timeout=60)[0]
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
-    assert proc.returncode == 128 + signum, out[-3000:]
+    returncode, out = _signalled_after_the_first_checkpoint(run_dir, signum)
+    assert returncode == 128 + signum, out[-3000:]
     assert f"openprime: got {signum.name}; stopping the nodes (they leave gracefully)" in out
     assert out.count("removed: left (deathrattle)") == 2, out[-3000:]
     assert f"continue with `openprime run RECIPE --nodes 2 --run-dir {run_dir} --resume latest`" in out
