@@ -295,7 +295,9 @@ def check_join_address(address: str, flag: str = "--join") -> None:
     """`--join HOST:PORT` (or `mesh serve --bind`): a host and a port number from 1 to 65535 (ConfigError otherwise;
     before, nodes failed with a ZeroMQ traceback or waited for a port that cannot exist)."""
     host, _, port = address.removeprefix("tcp://").rpartition(":")
-    host = host.removeprefix("[").removesuffix("]")  # [IPv6]:port
+    if ":" in host:  # [::1]:29500: the coordinator's store and sockets would need IPv6 set up throughout
+        raise ConfigError(f"{flag} {address!r}: IPv6 addresses are not supported yet; use an IPv4 address or a "
+                          f"hostname that resolves to one")
     if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
         what = ("HOST:PORT of the run's coordinator, e.g. 203.0.113.7:29500 (`openprime mesh serve` prints it)"
                 if flag == "--join" else "tcp://HOST:PORT to listen on, e.g. tcp://0.0.0.0:29500")
