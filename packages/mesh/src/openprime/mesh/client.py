@@ -237,8 +237,8 @@ class MeshClient:
 
     def _answered(self, op: str) -> None:
         with self._silence_lock:
-            now, silent_s = time.monotonic(), time.monotonic() - self._answered_at
-            warned = self._warn_silence_s > self.config.coordinator_silence_warning_s
+            now = time.monotonic()
+            silent_s, warned = now - self._answered_at, self._warn_silence_s > self.config.coordinator_silence_warning_s
             self._answered_at, self._warn_silence_s = now, self.config.coordinator_silence_warning_s
         if warned:
             log.warning("node %s: the coordinator at %s answers again (%s) after %.1fs of silence",

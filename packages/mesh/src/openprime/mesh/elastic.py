@@ -153,7 +153,6 @@ class ElasticDeviceMesh(Membership):
         if self._transport is not None:
             self._transport.close()
         host, port = store.rsplit(":", 1)
-        host = host.removeprefix("[").removesuffix("]")  # an IPv6 literal, bracketed in the address
         group = f"{self._run_id}/e{view.epoch}/s{view.step}/a{view.attempt}/l{self.local_rank}"
         try:
             self._transport = self._factory(Rendezvous(host=host, port=int(port), group=group), rank,

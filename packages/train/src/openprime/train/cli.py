@@ -143,7 +143,7 @@ def serve_mesh(args: argparse.Namespace) -> int:
     host, port = coordinator.address.split("://")[-1].rsplit(":", 1)
     store_port = coordinator.store.rsplit(":", 1)[1]
     where = ""
-    if host in ("0.0.0.0", "*", "[::]"):  # every interface: the nodes need one of this machine's addresses
+    if host in ("0.0.0.0", "*"):  # every interface: the nodes need one of this machine's addresses
         host, where = "HOST", f", HOST being an address of this machine that they reach (e.g. {socket.gethostname()})"
     print(f"openprime: coordinator at {coordinator.address} and its rendezvous store at port {store_port} (both must "
           f"be reachable from the nodes); nodes join with `openprime run RECIPE --join {host}:{port}`{where}",
