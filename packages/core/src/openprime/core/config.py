@@ -202,6 +202,17 @@ def override(cfg: T, key: str, raw: str) -> T:
     return _set(cfg, key.split("."), raw, key)
 
 
+def split_overrides(items: Sequence[str], example: str = "diloco.num_inner_steps=10") -> list[tuple[str, str]]:
+    """`key=value` strings (`--set`) as (key, value) pairs; ConfigError for one without `=` or key."""
+    pairs = []
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set takes key=value, got {item!r} (e.g. --set {example})")
+        pairs.append((key.strip(), value.strip()))
+    return pairs
+
+
 def override_all(cfg: T, items: Sequence[tuple[str, str]]) -> T:
     """`cfg` with every (key, raw) override applied, the last of a repeated key winning.
 

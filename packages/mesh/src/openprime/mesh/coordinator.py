@@ -412,12 +412,17 @@ class Coordinator:
                   f"starting its machines again with `--resume latest` (each from its own checkpoints), or restart "
                   f"the coordinator (`openprime mesh serve`) to start a new run")
         log.error("outer step %d: %s (refused: %s)", self.step, reason, waiting)
-        for node in waiting:
+        self._refuse_at_barrier(waiting, reason)
+        self._barrier_opened = None
+
+    def _refuse_at_barrier(self, nodes: list[str], reason: str) -> None:
+        """Answer these nodes' waiting syncs with a refusal (JoinRefused there) and forget them."""
+        for node in nodes:
             route, req, _ = self._waiting.pop(node)
             self.nodes.pop(node, None)
+            self._unproven.discard(node)
             self.refusals.append(reason)
             self._reply(route, req, {"op": "refused", "reason": reason})
-        self._barrier_opened = None
 
     def _refuse_unproven(self, live_members: list[str], step: int) -> bool:
         """The outer step failed on every try with every member alive, and some members were admitted to a ring
@@ -436,12 +441,7 @@ class Coordinator:
                   f"(transport.options.hostname, its ports, firewalls, NAT) and that it uses the run's site file; the "
                   f"run goes on without it")
         log.error("outer step %d: refusing %s, admitted before every try of it failed: %s", step, culprits, reason)
-        for node in culprits:
-            route, req, _ = self._waiting.pop(node)
-            self.nodes.pop(node, None)
-            self._unproven.discard(node)
-            self.refusals.append(reason)
-            self._reply(route, req, {"op": "refused", "reason": reason})
+        self._refuse_at_barrier(culprits, reason)
         return True
 
     def _try_commit(self) -> None:

@@ -31,7 +31,7 @@ import attrs
 import torch
 
 from openprime.ckpt import Checkpoint, check_compatible, list_steps
-from openprime.core.config import override_all
+from openprime.core.config import override_all, split_overrides
 from openprime.core.errors import ConfigError, OpenPrimeError
 from openprime.mesh import Coordinator, MeshConfig
 from openprime.train.config import RunConfig, TransportKind
@@ -132,7 +132,7 @@ def export_model(args: argparse.Namespace) -> int:
 def serve_mesh(args: argparse.Namespace) -> int:
     """`openprime mesh serve`: a coordinator on this machine until interrupted."""
     try:
-        items = [(key.strip(), value.strip()) for key, _, value in (item.partition("=") for item in args.overrides)]
+        items = split_overrides(args.overrides, example="heartbeat_interval_s=1")
         cfg = override_all(MeshConfig(min_nodes=max(1, args.min_nodes)), items)
         bind = args.bind if "://" in args.bind else f"tcp://{args.bind}"
         check_join_address(bind, "--bind")

@@ -11,7 +11,7 @@ import importlib.util
 import pathlib
 import types
 
-from openprime.core.config import override_all
+from openprime.core.config import override_all, split_overrides
 from openprime.core.errors import ConfigError
 from openprime.train.config import RunConfig
 
@@ -42,13 +42,7 @@ def recipe_config(path: str | pathlib.Path, overrides: list[str] | tuple[str, ..
     cfg = build()
     if not isinstance(cfg, RunConfig):
         raise ConfigError(f"recipe {path}: config() returned {type(cfg).__name__}, not a RunConfig")
-    items = []
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--set takes key=value, got {item!r} (e.g. --set diloco.num_inner_steps=10)")
-        items.append((key.strip(), value.strip()))
-    return override_all(cfg, items)
+    return override_all(cfg, split_overrides(overrides))
 
 
 def loaded_recipe_files() -> list[pathlib.Path]:
