@@ -146,6 +146,53 @@ def test_mean_divides_by_contributors_only():
         torch.testing.assert_close(p.detach(), torch.full((4,), 4.0))
 
 
+@pytest.mark.parametrize("codec", ["fp32", "int8"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_replica_whose_training_blew_up_contributes_nothing(codec, bad):
+    """A replica with NaN/inf weights (its inner training diverged) is left out of the mean: the global weights
+    stay finite, and it comes back to the others' average. Before, the NaN reached every replica's weights in
+    fp32, and the int8 quantizer stopped the node with an error."""
+    from openprime.kernels import Int8Codec
+
+    theta0 = torch.zeros(4096)
+    params = [torch.nn.Parameter(theta0.clone()) for _ in range(3)]
+    config = DiLoCoConfig(num_inner_steps=1, outer_lr=1.0, outer_optimizer=OuterOptimizer.SGD)
+    codecs = [Int8Codec() if codec == "int8" else Float32Codec() for _ in range(3)]
+    dilocos = [DiLoCo([p], config=config, transport=t, timeouts=TIMEOUTS, codec=c)
+               for p, t, c in zip(params, local_group(3), codecs, strict=True)]
+    good = torch.linspace(-1.0, 1.0, 4096)
+    blown = good.clone()
+    blown[17] = bad
+    results = _outer_step(params, dilocos, [good, blown, good])
+    assert [r.num_contributors for r in results] == [2, 2, 2]
+    assert [r.contributed for r in results] == [True, False, True]
+    assert len({r.state_hash for r in results}) == 1
+    for p in params:  # the mean of the two good replicas (exact in fp32; within int8's error otherwise)
+        assert torch.isfinite(p).all()
+        torch.testing.assert_close(p.detach(), good, rtol=0, atol=0 if codec == "fp32" else 0.02)
+        assert torch.equal(p.detach(), params[0].detach())
+
+
+def test_a_replica_that_withholds_its_pseudo_gradient_takes_the_others_average():
+    """`step(contribute=False)`: the loop says its replica is unhealthy (its last inner steps had no finite
+    gradient), so even finite weights stay out of the mean; with nobody contributing, theta is unchanged."""
+    theta0 = torch.zeros(4)
+    params, dilocos = _workers(2, theta0, DiLoCoConfig(num_inner_steps=1, outer_lr=1.0,
+                                                       outer_optimizer=OuterOptimizer.SGD))
+    with torch.no_grad():
+        params[0].copy_(torch.full((4,), 2.0))
+        params[1].copy_(torch.full((4,), 1e30))  # finite, but garbage
+    results = run_threads([lambda: dilocos[0].step(), lambda: dilocos[1].step(contribute=False)])
+    assert [(r.num_contributors, r.contributed) for r in results] == [(1, True), (1, False)]
+    for p in params:
+        assert torch.equal(p.detach(), torch.full((4,), 2.0))
+    before = dilocos[0].state.theta.clone()
+    results = run_threads([lambda: dilocos[0].step(contribute=False), lambda: dilocos[1].step(contribute=False)])
+    assert [r.num_contributors for r in results] == [0, 0] and not results[0].skipped
+    for p, d in zip(params, dilocos, strict=True):
+        assert torch.equal(d.state.theta, before) and torch.equal(p.detach(), before)
+
+
 def test_divergent_replicas_are_detected():
     params, dilocos = _workers(2, torch.zeros(3), DiLoCoConfig(num_inner_steps=1))
     dilocos[1].state.momentum[0] = 1e-3  # corrupt one replica's outer state

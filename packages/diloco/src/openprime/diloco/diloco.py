@@ -14,6 +14,9 @@ tries, each decided by the `Membership` (openprime.core.membership; static, or t
 4. `commit`: apply only if every member's all-reduce succeeded; otherwise every survivor tries again
    (the input is recomputed; nothing was applied). After the configured tries the membership skips
    the step on every node alike: a node never applies its own un-averaged delta.
+   A replica whose pseudo-gradient holds NaN or inf (its inner training blew up), or whose loop says it
+   is unhealthy (`step(contribute=False)`), contributes zero like a joiner: one replica's divergence
+   never reaches the global weights, and the outer step brings it back to the others' average.
 5. the mean divides by the contributors, the outer optimizer updates theta_global, which is copied
    back into the model, and the hashes of the global state are compared (ReplicaDivergence on a
    mismatch; PRIME could drift silently).
@@ -22,6 +25,7 @@ tries, each decided by the `Membership` (openprime.core.membership; static, or t
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable
 
@@ -52,6 +56,7 @@ class OuterStepResult:
     num_tries: int
     skipped: bool
     received_state: bool  # this node was new: it took the global state and step counters from a donor
+    contributed: bool  # this node's pseudo-gradient was in the mean (not a joiner's, withheld or non-finite one)
     state_hash: str
     bytes_sent: int
     bytes_received: int
@@ -85,6 +90,7 @@ class DiLoCo:
         # so the coordinator compares replicas; a joiner has nothing to report until it got the state.
         self._last_hash: str | None = None if joining else self.state.state_hash()
         self._received_state = False
+        self._contributed = False
         self.recovery = Recovery(self.state, config.recovery, extra)
         self._ring_buffers = RingBuffers()  # kept across outer steps: no fresh receive buffers each time
         self._donate_later: list[int] = []
@@ -130,12 +136,16 @@ class DiLoCo:
         self._last_hash = None
         self.behind = False
 
-    def step(self) -> OuterStepResult | None:
-        """Count one inner step; run the outer step when `num_inner_steps` have passed since the last."""
+    def step(self, *, contribute: bool = True) -> OuterStepResult | None:
+        """Count one inner step; run the outer step when `num_inner_steps` have passed since the last.
+
+        `contribute=False` withholds this replica's pseudo-gradient from that outer step (the loop's last
+        inner steps produced no finite gradient: its weights are suspect even where they are finite).
+        """
         self.num_inner_steps_done += 1
         if self.num_inner_steps_done % self.config.num_inner_steps:
             return None
-        return self.sync()
+        return self.sync(contribute=contribute)
 
     def _deadline(self, transport: Transport) -> float:
         return time.monotonic() + self.timeouts.collective_s(transport.world_size)
@@ -154,6 +164,7 @@ class DiLoCo:
         start = time.monotonic()
         step, attempt = self.num_outer_steps_done, 0
         self._received_state = False
+        self._contributed = False
         while True:
             rnd = self.membership.begin(step, attempt, state_hash=self._last_hash, hash_step=step - 1)
             step, attempt, t = rnd.step, rnd.attempt, rnd.transport  # a newcomer learns where the run is
@@ -174,6 +185,9 @@ class DiLoCo:
             if self.membership.commit(step, attempt, ok):
                 break
             attempt += 1
+        if not num_contributors and self.has_state:
+            log.warning("outer step %d: no member contributed a pseudo-gradient; the global weights stay as they "
+                        "were and every replica goes back to them", step)
         if num_contributors and self.has_state:
             self.state.delta.div_(num_contributors)
             outer_update_(self.state.theta, self.state.momentum, self.state.delta, lr=self.outer_lr,
@@ -192,14 +206,20 @@ class DiLoCo:
         """State to the newcomers, then the all-reduce of this try; (succeeded, contributors, seconds)."""
         t = rnd.transport
         self._donate_later = []
+        self._contributed = False
         try:
             if rnd.new_ranks:
                 self._transfer_state(rnd)
             contributing = contribute and self.has_state and t.rank not in rnd.new_ranks
             delta = self.state.compute_pseudo_gradient(self._delta_device)
+            if contributing and not all_finite(delta):
+                log.warning("outer step %d: this replica's pseudo-gradient holds NaN or inf (its inner training "
+                            "diverged); it contributes zero and takes the others' average", rnd.step)
+                contributing = False
             if not contributing:
                 delta.zero_()
             flags = all_gather_object(t, contributing, deadline=self._deadline(t))
+            self._contributed = contributing
             reduce_start = time.monotonic()
             # No backup copy of delta: a failed try recomputes it from theta and the parameters.
             ring_all_reduce(t, delta, deadline=self._deadline(t), codec=self.codec, restore_on_failure=False,
@@ -272,9 +292,15 @@ class DiLoCo:
                 sent: int, received: int, all_reduce_s: float, start: float) -> OuterStepResult:
         return OuterStepResult(outer_step=step + 1, num_contributors=num_contributors, num_members=num_members,
                                num_tries=num_tries, skipped=skipped, received_state=self._received_state,
+                               contributed=self._contributed and not skipped,
                                state_hash=self._last_hash or "",
                                bytes_sent=sent, bytes_received=received, all_reduce_s=all_reduce_s,
                                total_s=time.monotonic() - start)
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """Whether every value of x is finite: one reduction pass (max |x| propagates NaN), no boolean copy of x."""
+    return x.numel() == 0 or math.isfinite(float(torch.linalg.vector_norm(x, float("inf"))))
 
 
 def _delta_device(where: PseudoGradientDevice, params_device: torch.device, codec: Codec) -> torch.device | None:

@@ -92,7 +92,7 @@ class GradientAllReduce:
         self.flat.div_(t.world_size)
         self._scatter_gradients()
         self._result = OuterStepResult(outer_step=step + 1, num_contributors=t.world_size, num_members=t.world_size,
-                                       num_tries=attempt + 1, skipped=False, received_state=False,
+                                       num_tries=attempt + 1, skipped=False, received_state=False, contributed=True,
                                        state_hash=rnd.state_hash or "", bytes_sent=sent, bytes_received=received,
                                        all_reduce_s=all_reduce_s, total_s=time.monotonic() - start)
 
