@@ -286,3 +286,33 @@ def test_a_launch_whose_nodes_are_refused_exits_2_without_a_command_that_would_f
     assert "[node 0] error: coordinator refused node" in out and "no node holding the run's state is left" in out
     assert "run failed: its nodes were refused or misconfigured; the error above says what to change" in out
     assert "continue with" not in out and "Traceback" not in out, out
+
+
+@pytest.mark.slow
+def test_a_diverged_run_keeps_its_finite_checkpoints_stops_and_resumes_at_a_lower_lr(tmp_path):
+    """At lr 30 the gradient goes NaN or inf within 20 steps. Before, the NaN went into the weights and the outer
+    step; in fp32 the run ended "done" with loss nan, its NaN checkpoints having replaced the good ones, and with
+    int8 the quantizer stopped every node. Now the updates are skipped, the node writes no checkpoint while its
+    latest step was skipped, stops when it cannot contribute (exit 1, the way to continue in the error), and a run
+    resumed with `--set optim.lr=...` trains at that lr (before, at the checkpoint's)."""
+    run_dir = tmp_path / "run"
+    flags = ("--nodes", "1", *RUN, "--set", "train.num_threads=1", "--set", "schedule.num_warmup_steps=20",
+             "--set", "schedule.num_decay_steps=5", "--set", "optim.num_nonfinite_steps_to_stop=15")
+    recipe = str(ROOT / "recipes" / "debug.py")
+    proc = _openprime("run", recipe, "--run-dir", str(run_dir), *flags, "--set", "optim.lr=30", expect=1)
+    assert "[node 0] error: training diverged: 15 inner steps had a NaN or inf gradient norm" in proc.stderr
+    assert "--resume latest --set optim.lr=15" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    records = read_records(run_dir)
+    skipped = {r["step"] for r in records if r["kind"] == "step" and r["skipped"]}
+    saved = [r["step"] for r in records if r["kind"] == "checkpoint"]
+    assert len(skipped) >= 15 and saved and not skipped & set(saved), (skipped, saved)
+    assert any(r["num_contributors"] == 0 for r in records if r["kind"] == "outer")  # withheld: theta unchanged
+    _, weights, _ = load_model_weights(run_dir)
+    assert all(torch.isfinite(w).all() for w in weights.values())
+
+    proc = _openprime("run", recipe, "--run-dir", str(run_dir), *flags, "--set", "optim.lr=0.003",
+                      "--set", f"train.stop_after_outer_steps={max(saved) // 10 + 1}", "--resume", "latest")
+    assert "[node 0] resumed with optim.lr 0.003 (saved: 30.0)" in proc.stdout, proc.stdout
+    resumed = read_records(run_dir)[len(records):]
+    lrs = [r["lr"] for r in resumed if r["kind"] == "step"]
+    assert len(lrs) == 10 and 0 < max(lrs) <= 0.003, lrs

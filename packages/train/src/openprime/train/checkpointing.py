@@ -45,6 +45,7 @@ from openprime.core.errors import ConfigError
 from openprime.diloco import DiLoCo, ExtraState
 from openprime.train.data import MixtureBatches
 from openprime.train.model import ModelConfig
+from openprime.train.schedule import follow_schedule
 
 log = logging.getLogger("openprime.train.checkpointing")
 
@@ -149,16 +150,40 @@ def node_state(*, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: tor
 
 
 def restore_node(state: dict[str, Any], *, model: torch.nn.Module, opt: torch.optim.Optimizer,
-                 sched: torch.optim.lr_scheduler.LRScheduler, diloco: DiLoCo, batches: MixtureBatches | None) -> None:
+                 sched: torch.optim.lr_scheduler.LRScheduler, diloco: DiLoCo,
+                 batches: MixtureBatches | None) -> list[str]:
     """Put a node back where `node_state` found it (its data position too, unless `batches` is None: the node
-    reads another data slot than the one saved)."""
+    reads another data slot than the one saved).
+
+    The optimizer's hyperparameters and the schedule are the config's, not the checkpoint's: `opt` and `sched` come
+    built from the config, and what the checkpoint saved of them (AdamW's lr, betas, eps and weight decay per
+    param group; the scheduler's base lr) would silently override a change made for the resumed run, such as
+    `--set optim.lr=...` after a divergence. With the config unchanged the values are the same. Returns what the
+    config changed, e.g. ["optim.lr 0.003 (saved: 30)"], for the caller to say.
+    """
+    configured = [_hyperparameters(group) for group in opt.param_groups]
     set_model_state_dict(model, sharded_like(state["model"], get_model_state_dict(model)))
     set_optimizer_state_dict(model, opt, sharded_like(state["optim"], get_optimizer_state_dict(model, opt)))
-    sched.load_state_dict(state["scheduler"])
+    changed = sorted({f"optim.{OPTIMIZER_FIELDS.get(k, k)} {v} (saved: {saved[k]})"
+                      for group, want in zip(opt.param_groups, configured, strict=True)
+                      for saved in [_hyperparameters(group)] for k, v in want.items()
+                      if k != "lr" and saved.get(k, v) != v})
+    for group, want in zip(opt.param_groups, configured, strict=True):
+        group.update(want)
+    follow_schedule(sched, int(state["scheduler"]["last_epoch"]))  # the config's lr at the saved step
     diloco.load_state_dict(state["diloco"])
     if batches is not None:
         batches.load_state_dict(state["data"])
     torch.set_rng_state(state["rng"]["torch"])
+    return changed
+
+
+# param group key -> OptimizerConfig field, where they differ ("lr" in a param group is the scheduled lr).
+OPTIMIZER_FIELDS = {"initial_lr": "lr"}
+
+
+def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in group.items() if k != "params"}
 
 
 class InnerOptimizerState(ExtraState):

@@ -43,6 +43,11 @@ class OptimizerConfig:
     eps: float = field(1e-8, doc="AdamW epsilon", validator=positive_float())
     weight_decay: float = field(0.1, doc="AdamW decoupled weight decay", validator=non_negative_float())
     max_grad_norm: float = field(1.0, doc="clip the global gradient norm to this", validator=positive_float())
+    num_nonfinite_steps_to_stop: int = field(
+        0, doc="inner steps with a NaN or inf gradient norm (each skipped; the node then keeps its weights out of "
+               "outer steps and checkpoints) since the node last contributed to the global weights, after which it "
+               "stops: training has diverged (0: 3 x diloco.num_inner_steps); above diloco.num_inner_steps",
+        validator=non_negative_int())
 
 
 class Strategy(enum.Enum):
@@ -174,6 +179,12 @@ class RunConfig:
                 f"is taken at an outer step, when every node holds the same global state "
                 f"(e.g. checkpoint.interval_steps={max(h, every // h * h)})"
             )
+        num_to_stop, h = self.optim.num_nonfinite_steps_to_stop, self.diloco.num_inner_steps
+        if self.train.strategy is Strategy.DILOCO and 0 < num_to_stop <= h:
+            raise ConfigError(
+                f"optim.num_nonfinite_steps_to_stop {num_to_stop} is not above diloco.num_inner_steps {h}: a replica "
+                f"whose training diverged alone would stop before the outer step that brings it back to the others' "
+                f"weights (e.g. optim.num_nonfinite_steps_to_stop={3 * h}, or 0 for that default)")
         if self.train.stop_after_outer_steps > self.num_outer_steps:
             raise ConfigError(f"train.stop_after_outer_steps {self.train.stop_after_outer_steps} is beyond the "
                               f"run's {self.num_outer_steps} outer steps; use 0 to run to the end")
@@ -208,6 +219,12 @@ class RunConfig:
         outer-step barrier for the slowest node. (A dead local rank does not make the others wait this long:
         the launcher stops a node's other processes when one of them dies.)"""
         return self.mesh.sync_timeout_s + self.timeouts.connect_s
+
+    @property
+    def num_nonfinite_steps_to_stop(self) -> int:
+        """optim.num_nonfinite_steps_to_stop, its default resolved: three outer steps' worth of inner steps (a
+        replica that diverged alone is taken back to the others' weights at the next one)."""
+        return self.optim.num_nonfinite_steps_to_stop or 3 * self.diloco.num_inner_steps
 
     @property
     def num_outer_steps(self) -> int:

@@ -38,6 +38,7 @@ from openprime.mesh import Coordinator, JoinRefused
 from openprime.train.checkpointing import checkpoint_root, parts_by_node
 from openprime.train.config import RunConfig
 from openprime.train.data import prepare_data
+from openprime.train.guard import Diverged
 from openprime.train.metrics import summarize
 from openprime.train.trainer import run_node
 
@@ -219,7 +220,9 @@ def node_main(cfg: RunConfig, node: int, coordinator: str, run_dir: pathlib.Path
         if isinstance(e, ConfigError | JoinRefused):  # the user's to fix, and the message says how: no traceback
             print(f"[{where}] error: {e}", file=sys.stderr, flush=True)
             sys.exit(REFUSED_EXIT)
-        if not isinstance(e, SystemExit):
+        if isinstance(e, Diverged):  # the message says where it began and how to continue: no traceback
+            print(f"[{where}] error: {e}", file=sys.stderr, flush=True)
+        elif not isinstance(e, SystemExit):
             print(f"[{where}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         sys.exit(e.code if isinstance(e, SystemExit) else 1)
 
@@ -418,8 +421,10 @@ def _print_summary(cfg: RunConfig, run_dir: pathlib.Path, elapsed_s: float, *, n
     print(f"openprime: done in {elapsed_s:.0f}s: {s.num_nodes} nodes, {s.num_outer_steps} outer steps, "
           f"global state hashes {'identical on every node after every outer step' if s.hashes_agree else 'DIFFER'}")
     for node, losses in sorted(s.losses.items()):
+        skipped = s.num_skipped.get(node, 0)
         print(f"  node {node}: loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps, "
-              f"sent {s.bytes_sent.get(node, 0):,} bytes")
+              f"sent {s.bytes_sent.get(node, 0):,} bytes"
+              + (f", {skipped} step(s) skipped for a NaN/inf gradient" if skipped else ""))
     print(f"  metrics: {run_dir / 'metrics.jsonl'}  config: {run_dir / 'config.json'}")
     _print_checkpoints(cfg, run_dir, num_nodes=num_nodes, joined=joined)
 

@@ -125,6 +125,7 @@ class RunSummary:
     losses: dict[int, list[float]]  # node -> loss per inner step
     hashes: dict[int, dict[int, str]]  # outer step -> node -> hash of the global state
     bytes_sent: dict[int, int]  # node -> bytes sent in all outer steps
+    num_skipped: dict[int, int] = attrs.field(factory=dict)  # node -> inner steps skipped for a NaN/inf gradient
 
     @property
     def num_outer_steps(self) -> int:
@@ -188,12 +189,15 @@ def summarize(run_dir: pathlib.Path) -> RunSummary:
     losses: dict[int, list[float]] = defaultdict(list)
     hashes: dict[int, dict[int, str]] = defaultdict(dict)
     sent: dict[int, int] = defaultdict(int)
+    skipped: dict[int, int] = defaultdict(int)
     nodes = set()
     for r in records:
         nodes.add(r["node"])
         if r["kind"] == "step":
             losses[r["node"]].append(r["loss"])
+            skipped[r["node"]] += bool(r.get("skipped"))
         elif r["kind"] == "outer" and not r.get("skipped"):
             hashes[r["outer_step"]][r["node"]] = r["state_hash"]
             sent[r["node"]] += r["bytes_sent"]
-    return RunSummary(num_nodes=len(nodes), losses=dict(losses), hashes=dict(hashes), bytes_sent=dict(sent))
+    return RunSummary(num_nodes=len(nodes), losses=dict(losses), hashes=dict(hashes), bytes_sent=dict(sent),
+                      num_skipped={node: k for node, k in skipped.items() if k})

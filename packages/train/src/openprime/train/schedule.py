@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 import functools
 import math
+import warnings
 
 import torch
 
@@ -95,4 +96,14 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, *, num_warmup_steps: in
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-__all__ = ["DecayShape", "ScheduleConfig", "build_lr_scheduler", "validate_schedule", "wsd_lr_factor"]
+def follow_schedule(sched: torch.optim.lr_scheduler.LRScheduler, num_inner_steps_done: int) -> None:
+    """Move the learning-rate schedule forward to where the run is (after taking the state from a donor, or
+    from a checkpoint): the lr is the config's peak times the factor at that step, as if it had stepped along."""
+    with warnings.catch_warnings():  # stepping a scheduler before its optimizer is the point here
+        warnings.simplefilter("ignore", UserWarning)
+        for _ in range(num_inner_steps_done - sched.last_epoch):
+            sched.step()
+
+
+__all__ = ["DecayShape", "ScheduleConfig", "build_lr_scheduler", "follow_schedule", "validate_schedule",
+           "wsd_lr_factor"]

@@ -16,9 +16,9 @@ gradients averaged over the nodes at every step (openprime.train.data_parallel).
 
 from __future__ import annotations
 
+import math
 import pathlib
 import time
-import warnings
 from collections.abc import Callable
 
 import attrs
@@ -52,6 +52,7 @@ from openprime.train.checkpointing import (
 from openprime.train.config import RunConfig, Strategy, TensorBoard
 from openprime.train.data import MixtureBatches, node_batches, prepare_data, validation_batches
 from openprime.train.data_parallel import GradientAllReduce
+from openprime.train.guard import NonFiniteSteps
 from openprime.train.hardware import check_local_ranks, detect_device_type, visible_gpu
 from openprime.train.loss import cross_entropy_loss, loss_with_max_z
 from openprime.train.metrics import (
@@ -65,7 +66,7 @@ from openprime.train.metrics import (
 )
 from openprime.train.model import Llama, num_flops_per_token
 from openprime.train.optim import build_optimizer, clip_gradients
-from openprime.train.schedule import build_lr_scheduler
+from openprime.train.schedule import build_lr_scheduler, follow_schedule
 from openprime.train.terms import run_terms
 from openprime.train.transports import codec_for, transport_factory
 
@@ -149,24 +150,18 @@ def catch_up(cfg: RunConfig, coordinator: str, diloco: DiLoCo, mesh: ElasticDevi
     raise OpenPrimeError(f"evicted {cfg.mesh.num_join_tries} times while waiting to be admitted; giving up")
 
 
-def follow_schedule(sched: torch.optim.lr_scheduler.LRScheduler, num_inner_steps_done: int) -> None:
-    """After taking the state from a donor, move the learning-rate schedule to where the run is."""
-    with warnings.catch_warnings():  # stepping a scheduler before its optimizer is the point here
-        warnings.simplefilter("ignore", UserWarning)
-        for _ in range(num_inner_steps_done - sched.last_epoch):
-            sched.step()
-
-
 def train_step(model: Llama, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
                inputs_BL: torch.Tensor, targets_BL: torch.Tensor, cfg: RunConfig, *, local_rank: int,
-               sync_gradients: Callable[[], None] | None = None) -> float:
+               sync_gradients: Callable[[], None] | None = None) -> tuple[float, float]:
     """One inner step on this local rank's share of the node's batch: forward and backward per micro-batch
-    (gradients reduce-scattered over the local ranks only after the last), clip, AdamW, schedule.
+    (gradients reduce-scattered over the local ranks only after the last), clip, AdamW, schedule. An update
+    whose gradient norm is NaN or inf is skipped (openprime.train.guard); the schedule moves on regardless.
 
     Each rank takes rows [r * B / R, (r + 1) * B / R) of the node's B sequences. Every micro-batch loss is
     divided by the number of micro-batches and FSDP2 averages over the R ranks, so the gradient is the mean
     over the node's whole batch, as one process training on all of it would get. `sync_gradients` (data
-    parallel) then averages the gradients over the nodes. Returns this rank's cross-entropy.
+    parallel) then averages the gradients over the nodes. Returns this rank's cross-entropy and the global
+    gradient norm before clipping.
     """
     share = inputs_BL.shape[0] // cfg.fsdp.num_local_ranks
     rows = slice(local_rank * share, (local_rank + 1) * share)
@@ -180,11 +175,14 @@ def train_step(model: Llama, opt: torch.optim.Optimizer, sched: torch.optim.lr_s
         ce += loss.ce.item() / num_micro
     if sync_gradients is not None:
         sync_gradients()
-    clip_gradients(model, cfg.optim.max_grad_norm)
-    opt.step()
-    sched.step()
+    grad_norm = clip_gradients(model, cfg.optim.max_grad_norm)
+    if math.isfinite(grad_norm):  # the same on every rank that shares weights: they skip alike
+        opt.step()
+        sched.step()
+    else:
+        follow_schedule(sched, sched.last_epoch + 1)  # without torch's warning of a scheduler stepped alone
     opt.zero_grad(set_to_none=True)
-    return ce
+    return ce, grad_norm
 
 
 class Node:
@@ -261,8 +259,12 @@ class Node:
                 part = part_name(self.saved_slot, self.local_rank, self.cfg.fsdp.num_local_ranks)
                 self.say(f"[node {self.node}] its saved data slot {self.saved_slot} went to another node: it continues "
                          f"from that slot's part on data slot {self.mesh.slot}, whose data it reads from the start")
-            restore_node(load_node_part(resume, part, self.model), model=self.model, opt=self.opt,
-                         sched=self.sched, diloco=self.diloco, batches=self.batches if part == self.part else None)
+            changed = restore_node(load_node_part(resume, part, self.model), model=self.model, opt=self.opt,
+                                   sched=self.sched, diloco=self.diloco,
+                                   batches=self.batches if part == self.part else None)
+            if changed:
+                self.say(f"[node {self.node}] resumed with {', '.join(changed)}: the config's settings win over "
+                         f"the checkpoint's")
             self.say(f"[node {self.node}] resumed from {resume.path} at inner step {self.diloco.num_inner_steps_done} "
                      f"(outer step {self.diloco.num_outer_steps_done})")
         self.write("start", node_id=self.mesh.node_id, slot=self.mesh.slot, joining=self.joining,
@@ -363,15 +365,18 @@ def run_node(cfg: RunConfig, *, node: int, coordinator: str, run_dir: pathlib.Pa
             n.say(f"[node {node}] already past train.stop_after_outer_steps={stop_at}: running to the end")
             stop_at = 0
         progress = Progress(cfg, n)
+        guard = NonFiniteSteps(num_to_stop=cfg.num_nonfinite_steps_to_stop, lr=cfg.optim.lr, say=n.say,
+                               node=node)
         while (step := counters.num_inner_steps_done + 1) <= cfg.train.num_steps:
             step_start = time.monotonic()
             inputs_BL, targets_BL = (t.to(n.device, non_blocking=True) for t in next(n.batches))
             lr = n.sched.get_last_lr()[0]
             try:
-                ce = train_step(n.model, n.opt, n.sched, inputs_BL, targets_BL, cfg, local_rank=local_rank,
-                                sync_gradients=n.dp.sync if n.dp else None)
+                ce, grad_norm = train_step(n.model, n.opt, n.sched, inputs_BL, targets_BL, cfg,
+                                           local_rank=local_rank, sync_gradients=n.dp.sync if n.dp else None)
                 loss = local_all_reduce_mean(ce, n.local_mesh)  # the node's loss: all its ranks' batches
-                result = counters.step()
+                skipped = guard.update(step, grad_norm, loss)
+                result = n.diloco.step(contribute=guard.healthy) if n.diloco else n.dp.step()
             except Evicted as e:  # frozen or cut off: come back as a new node with the others' state
                 if n.diloco is None:
                     raise OpenPrimeError(f"{e}; a data-parallel node cannot rejoin (use train.strategy=diloco)") from e
@@ -380,11 +385,16 @@ def run_node(cfg: RunConfig, *, node: int, coordinator: str, run_dir: pathlib.Pa
                 n.write("rejoined", node_id=n.mesh.node_id, slot=n.mesh.slot, step=counters.num_inner_steps_done)
             if result is not None and result.received_state:  # the run was further on than this node's state
                 follow_schedule(n.sched, counters.num_inner_steps_done)
-            progress.step(step, loss, lr, time.monotonic() - step_start, result)
+            if result is not None and (result.received_state or (result.contributed and not skipped)):
+                guard.contributed()
+            progress.step(step, loss, lr, time.monotonic() - step_start, result, grad_norm=grad_norm, skipped=skipped)
+            guard.stop_if_diverged(step)
             if result is not None:
                 stopping = bool(stop_at) and counters.num_outer_steps_done >= stop_at
-                if n.checkpoint_due(stopping):
+                if n.checkpoint_due(stopping) and guard.healthy:
                     n.save()
+                elif n.checkpoint_due(stopping):
+                    n.say(f"[node {node}] no checkpoint at step {step}: its latest inner step had no finite gradient")
                 if stopping:
                     n.say(f"[node {node}] stopping after outer step {stop_at} (train.stop_after_outer_steps); "
                           f"continue with --resume latest")
@@ -411,14 +421,15 @@ class Progress:
         self.outer: OuterStepResult | None = None
         self.sent = 0
 
-    def step(self, step: int, loss: float, lr: float, step_s: float, result: OuterStepResult | None) -> None:
+    def step(self, step: int, loss: float, lr: float, step_s: float, result: OuterStepResult | None, *,
+             grad_norm: float, skipped: bool) -> None:
         cfg, n = self.cfg, self.n
         self.losses.append(loss)
         tokens_per_s = self.tokens_per_step / step_s
         mfu = model_flops_utilisation(tokens_per_s=tokens_per_s, flops_per_token=self.flops_per_token,
                                       peak_flops=self.peak_flops, num_devices=cfg.fsdp.num_local_ranks)
         n.write("step", step=step, loss=loss, lr=lr, tokens=step * self.tokens_per_step, step_s=step_s,
-                tokens_per_s=tokens_per_s, mfu=mfu)
+                tokens_per_s=tokens_per_s, mfu=mfu, grad_norm=grad_norm, skipped=skipped)
         if result is not None:
             self.clock.outer_s += result.total_s
             # Each local rank's ring carries its shard: the node's traffic is the sum over its ranks.
