@@ -28,7 +28,7 @@ from openprime.core.errors import OpenPrimeError
 
 
 class Diverged(OpenPrimeError):
-    """The gradient was NaN or inf for too many inner steps in a row: training has diverged."""
+    """Too many inner steps had a NaN or inf gradient since the node last contributed: training has diverged."""
 
 
 class NonFiniteSteps:
