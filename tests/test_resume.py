@@ -150,6 +150,33 @@ def test_resume_refuses_another_model_before_starting(stopped, tmp_path):
            "(4096, 256) torch.float32 here" in proc.stderr
 
 
+@pytest.mark.slow
+def test_resume_with_another_data_layout_is_refused_before_starting_or_restarts_the_data(stopped, tmp_path):
+    """More data slots (mesh.max_nodes) deal the sequences to the slots anew: the saved positions would name other
+    sequences. Before, each node died in the data loader with a traceback naming its internals ("saved num_slots=8
+    but these batches have num_slots=4") and the launcher offered the same command again."""
+    run_dir = _copy(stopped, tmp_path)
+    proc = _run(run_dir, "--resume", "latest", "--set", "mesh.max_nodes=4", expect=2)
+    assert "was saved with another data layout: mesh.max_nodes 4 (saved: 8)" in proc.stderr, proc.stderr
+    assert "Resume with --set mesh.max_nodes=8" in proc.stderr and "data.on_layout_change=restart" in proc.stderr
+    assert "starting" not in proc.stdout and "Traceback" not in proc.stderr
+    proc = _run(run_dir, "--resume", "latest", "--set", "mesh.max_nodes=4", "--set", "data.on_layout_change=restart",
+                "--set", "train.stop_after_outer_steps=4")
+    said = [line for line in proc.stdout.splitlines() if "resumed with mesh.max_nodes 4 (saved: 8)" in line]
+    assert len(said) == 2 and all("is read from its start (data.on_layout_change=restart)" in s for s in said), said
+    hashes = summarize(run_dir).distinct_hashes
+    assert max(hashes) == 4 and len(hashes[4]) == 1
+
+
+@pytest.mark.slow
+def test_resume_with_another_batch_size_goes_on(stopped, tmp_path):
+    """The data positions count sequences, so a new batch size continues them (before: refused in every node)."""
+    run_dir = _copy(stopped, tmp_path)
+    proc = _run(run_dir, "--resume", "latest", "--set", "train.batch_size=4", "--set", "train.stop_after_outer_steps=4")
+    assert proc.stdout.count("resumed with train.batch_size 4 (saved: 8)") == 2, proc.stdout
+    assert max(summarize(run_dir).distinct_hashes) == 4
+
+
 def test_export_of_a_run_loads_in_transformers_with_the_same_logits(stopped, tmp_path):
     import transformers  # in requirements.txt: a missing install fails here, not skips
     out = tmp_path / "hf"

@@ -26,6 +26,7 @@ from openprime.train.data import (
     cache_key,
     cpython_documents,
     kjv_documents,
+    layout_changes,
     load_tokens,
     node_batches,
     parse_mixture,
@@ -133,10 +134,10 @@ SOURCE_STRIDE = 10**7
 SYNTHETIC_ROWS = (1500, 700, 400)
 
 
-def _synthetic(*, slot: int, num_slots: int, seed: int = 0) -> MixtureBatches:
+def _synthetic(*, slot: int, num_slots: int, seed: int = 0, batch_size: int = BATCH_SIZE) -> MixtureBatches:
     streams = [np.arange(n * (SEQ_LEN + 1), dtype=np.uint32) + i * SOURCE_STRIDE
                for i, n in enumerate(SYNTHETIC_ROWS)]
-    return MixtureBatches(streams, WEIGHTS, seq_len=SEQ_LEN, batch_size=BATCH_SIZE, slot=slot, num_slots=num_slots,
+    return MixtureBatches(streams, WEIGHTS, seq_len=SEQ_LEN, batch_size=batch_size, slot=slot, num_slots=num_slots,
                           seed=seed)
 
 
@@ -221,6 +222,40 @@ def test_state_dict_resumes_exactly():
                         seed=0)
     with pytest.raises(ValueError, match="not saved by MixtureBatches"):
         _synthetic(slot=1, num_slots=2).load_state_dict(old.state_dict())
+
+
+def test_a_resume_with_another_batch_size_continues_every_source_where_it_was():
+    """The positions count sequences: with batch size 3 instead of 10, each source goes on with the very sequences
+    (in its epoch's order) that it would have given next at 10, none skipped and none read twice."""
+    batches = _synthetic(slot=1, num_slots=2, seed=3)
+    for _ in range(137):
+        next(batches)
+    state = json.loads(json.dumps(batches.state_dict()))
+    resumed = _synthetic(slot=1, num_slots=2, seed=3, batch_size=3)
+    resumed.load_state_dict(state)
+    drawn = [row for _ in range(40) for row in _source_rows(next(resumed))]
+    assert len(drawn) == 120 and resumed.batch == 137 + 40
+    expected = _synthetic(slot=1, num_slots=2, seed=3)
+    expected.load_state_dict(state)
+    for source in range(len(WEIGHTS)):
+        rows = Counter(row for s, row in drawn if s == source)
+        assert rows, source
+        # What the source would have given next, at any batch size; 2 rows apart are the slot's (row % 2 == 1).
+        following = Counter(int(i) for i in expected.sources[source].take(sum(rows.values())))
+        assert rows == following, source
+    with pytest.raises(ValueError, match="seq_len"):
+        MixtureBatches([np.zeros(4000, dtype=np.uint32)] * 3, WEIGHTS, seq_len=SEQ_LEN * 2, batch_size=3, slot=1,
+                       num_slots=2, seed=3).load_state_dict(state)
+
+
+def test_layout_changes_names_what_moved_the_positions():
+    saved = _synthetic(slot=0, num_slots=2).state_dict()
+    assert layout_changes(saved, _synthetic(slot=0, num_slots=2, batch_size=3).state_dict()) == {}
+    rows_of_4 = _synthetic(slot=0, num_slots=4).state_dict()["rows"]
+    assert layout_changes(saved, _synthetic(slot=0, num_slots=4, seed=1).state_dict()) == {
+        "seed": (0, 1), "num_slots": (2, 4), "rows": (saved["rows"], rows_of_4)}
+    # A launcher knows the layout's settings before the data is loaded: only the keys on both sides are compared.
+    assert layout_changes(saved, {"seq_len": SEQ_LEN, "num_slots": 3, "seed": 0}) == {"num_slots": (2, 3)}
 
 
 def test_node_batches_resume_exactly(prepared, cfg):

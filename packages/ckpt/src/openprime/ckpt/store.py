@@ -197,9 +197,10 @@ def dcp_cause(e: BaseException) -> str:
 
 
 def part_info(path: pathlib.Path) -> dict[str, Any]:
-    """The step, part name and sibling parts recorded in a part's state.json."""
+    """The step, part name and sibling parts recorded in a part's state.json, and its state's skeleton (the plain
+    values as saved, each tensor a {"__tensor__": path} reference): what can be checked without reading tensors."""
     meta = json.loads((path / STATE_FILE).read_text())
-    return {"step": meta["step"], "part": meta["part"], "parts": tuple(meta["parts"])}
+    return {"step": meta["step"], "part": meta["part"], "parts": tuple(meta["parts"]), "state": meta["state"]}
 
 
 PartsCheck = Callable[[tuple[str, ...], tuple[str, ...]], str | None]

@@ -43,7 +43,7 @@ from openprime.ckpt.store import STEP_RE, CorruptCheckpoint, list_steps, part_in
 from openprime.core.config import to_dict
 from openprime.core.errors import ConfigError
 from openprime.diloco import DiLoCo, ExtraState
-from openprime.train.data import MixtureBatches
+from openprime.train.data import LayoutChange, MixtureBatches, layout_changes
 from openprime.train.model import ModelConfig
 from openprime.train.schedule import follow_schedule
 
@@ -149,11 +149,45 @@ def node_state(*, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: tor
     }
 
 
+# MixtureBatches' layout keys (data.batches.LAYOUT_KEYS) -> the settings that decide them.
+DATA_LAYOUT_SETTINGS = {"seed": "data.seed", "seq_len": "train.seq_len", "num_slots": "mesh.max_nodes"}
+
+
+def data_layout_changes(saved: dict[str, Any], current: dict[str, Any], *, where: str,
+                        on_change: LayoutChange) -> list[str]:
+    """How the data layout of `current` (a `MixtureBatches.state_dict()`, or the part of one a launcher knows)
+    differs from the `saved` one, in settings: e.g. ["mesh.max_nodes 4 (saved: 8)"], empty if it does not.
+
+    A changed layout cannot continue the saved data position: the sequences it counts are cut or dealt to the slots
+    differently. With `on_change` REFUSE that raises ConfigError naming the settings to restore; with RESTART the
+    caller reads the data slot from its start.
+    """
+    changes = layout_changes(saved, current)
+    settings = {DATA_LAYOUT_SETTINGS[key]: values for key, values in changes.items() if key in DATA_LAYOUT_SETTINGS}
+    said = [f"{name} {now} (saved: {was})" for name, (was, now) in settings.items()]
+    restore = [f"--set {name}={was}" for name, (was, _) in settings.items()]
+    if "rows" in changes and not settings:  # (the sequences per source follow train.seq_len and mesh.max_nodes)
+        was, now = changes["rows"]
+        said.append(f"sequences per source in data slot {current['slot']} {now} (saved: {was})")
+        restore.append("the data it was saved with (the same files and data.mixture, data.max_chars_per_source, "
+                       "data.val_fraction and data.vocab_size)")
+    if not said or on_change is LayoutChange.RESTART:
+        return said
+    raise ConfigError(f"{where} was saved with another data layout: {', '.join(said)}; its data positions would "
+                      f"name other sequences. Resume with {' and '.join(restore)} to continue the data exactly, or "
+                      f"with --set data.on_layout_change=restart to have each node read its data slot from the "
+                      f"start in the new layout (sequences trained on before come again)")
+
+
 def restore_node(state: dict[str, Any], *, model: torch.nn.Module, opt: torch.optim.Optimizer,
                  sched: torch.optim.lr_scheduler.LRScheduler, diloco: DiLoCo,
-                 batches: MixtureBatches | None) -> list[str]:
+                 batches: MixtureBatches | None, on_layout_change: LayoutChange = LayoutChange.REFUSE) -> list[str]:
     """Put a node back where `node_state` found it (its data position too, unless `batches` is None: the node
     reads another data slot than the one saved).
+
+    The batch size may differ from the saved one: the data continues at the same sequences. Another data layout
+    (`data_layout_changes`) is refused before anything is restored, or with `on_layout_change` RESTART the data
+    slot is read from its start.
 
     The optimizer's hyperparameters and the schedule are the config's, not the checkpoint's: `opt` and `sched` come
     built from the config, and what the checkpoint saved of them (AdamW's lr, betas, eps and weight decay per
@@ -161,6 +195,13 @@ def restore_node(state: dict[str, Any], *, model: torch.nn.Module, opt: torch.op
     `--set optim.lr=...` after a divergence. With the config unchanged the values are the same. Returns what the
     config changed, e.g. ["optim.lr 0.003 (saved: 30)"], for the caller to say.
     """
+    data_changes = []
+    if batches is not None:
+        data_changes = data_layout_changes(state["data"], batches.state_dict(), where="the checkpoint",
+                                           on_change=on_layout_change)
+        if data_changes:
+            data_changes[-1] += f"; data slot {batches.slot} is read from its start (data.on_layout_change=restart)"
+            batches = None
     configured = [_hyperparameters(group) for group in opt.param_groups]
     set_model_state_dict(model, sharded_like(state["model"], get_model_state_dict(model)))
     set_optimizer_state_dict(model, opt, sharded_like(state["optim"], get_optimizer_state_dict(model, opt)))
@@ -174,8 +215,10 @@ def restore_node(state: dict[str, Any], *, model: torch.nn.Module, opt: torch.op
     diloco.load_state_dict(state["diloco"])
     if batches is not None:
         batches.load_state_dict(state["data"])
+        if state["data"]["batch_size"] != batches.batch_size:
+            changed.append(f"train.batch_size {batches.batch_size} (saved: {state['data']['batch_size']})")
     torch.set_rng_state(state["rng"]["torch"])
-    return changed
+    return changed + data_changes
 
 
 # param group key -> OptimizerConfig field, where they differ ("lr" in a param group is the scheduled lr).

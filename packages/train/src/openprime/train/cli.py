@@ -31,6 +31,7 @@ import attrs
 import torch
 
 from openprime.ckpt import Checkpoint, check_compatible, list_steps
+from openprime.ckpt.store import part_info
 from openprime.core.config import override_all, split_overrides
 from openprime.core.errors import ConfigError, OpenPrimeError
 from openprime.mesh import Coordinator, MeshConfig
@@ -360,7 +361,7 @@ def _starts(metrics: pathlib.Path) -> list[dict]:
 
 def _resume_from(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path) -> Checkpoint:
     """The checkpoint that `--resume` names, checked against the nodes asked for."""
-    from openprime.train.checkpointing import checkpoint_root, find_checkpoint, parts_by_node
+    from openprime.train.checkpointing import checkpoint_root, data_layout_changes, find_checkpoint, parts_by_node
 
     if args.resume == "latest" and args.run_dir is None and not cfg.checkpoint.directory:
         raise ConfigError("--resume latest needs the --run-dir of the run to continue")
@@ -384,6 +385,13 @@ def _resume_from(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path
     expected = {name: torch.empty((-(-t.shape[0] // ranks), *t.shape[1:]), device="meta")
                 for name, t in model.state_dict().items()}
     check_compatible(found.part(nodes[0][0]), {"model": expected})
+    # The data layout's settings, before any node starts (each node checks its sequences per source as it loads).
+    layout = {"seed": cfg.data.seed, "seq_len": cfg.train.seq_len, "num_slots": cfg.mesh.max_nodes}
+    changes = data_layout_changes(part_info(found.part(nodes[0][0]))["state"]["data"], layout,
+                                  where=f"checkpoint {found.path}", on_change=cfg.data.on_layout_change)
+    if changes:
+        print(f"openprime: the data layout changed ({', '.join(changes)}): every node reads its data slot from the "
+              f"start (data.on_layout_change=restart)", flush=True)
     print(f"openprime: resuming from {found.path} ({len(nodes)} nodes"
           f"{f' of {ranks} local ranks' if ranks > 1 else ''}, checksums verified)", flush=True)
     return found

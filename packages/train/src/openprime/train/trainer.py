@@ -261,7 +261,8 @@ class Node:
                          f"from that slot's part on data slot {self.mesh.slot}, whose data it reads from the start")
             changed = restore_node(load_node_part(resume, part, self.model), model=self.model, opt=self.opt,
                                    sched=self.sched, diloco=self.diloco,
-                                   batches=self.batches if part == self.part else None)
+                                   batches=self.batches if part == self.part else None,
+                                   on_layout_change=self.cfg.data.on_layout_change)
             if changed:
                 self.say(f"[node {self.node}] resumed with {', '.join(changed)}: the config's settings win over "
                          f"the checkpoint's")

@@ -13,8 +13,23 @@ Llama-3 tokenizer. This package builds the same pipeline from text that is on th
 A node does `node_batches(prepare_data(cfg), cfg, seq_len=..., batch_size=..., slot=..., num_slots=...)`.
 """
 
-from openprime.train.data.batches import MixtureBatches, PackedBatches, draw_counts, node_batches, validation_batches
-from openprime.train.data.config import DEFAULT_MIXTURE, DataConfig, Source, Split, WeightedSource, parse_mixture
+from openprime.train.data.batches import (
+    MixtureBatches,
+    PackedBatches,
+    draw_counts,
+    layout_changes,
+    node_batches,
+    validation_batches,
+)
+from openprime.train.data.config import (
+    DEFAULT_MIXTURE,
+    DataConfig,
+    LayoutChange,
+    Source,
+    Split,
+    WeightedSource,
+    parse_mixture,
+)
 from openprime.train.data.prepare import (
     EOT_TOKEN,
     FORMAT_VERSION,
@@ -41,6 +56,7 @@ __all__ = [
     "EOT_TOKEN",
     "FORMAT_VERSION",
     "DataConfig",
+    "LayoutChange",
     "MixtureBatches",
     "PackedBatches",
     "PreparedData",
@@ -54,6 +70,7 @@ __all__ = [
     "documents",
     "draw_counts",
     "kjv_documents",
+    "layout_changes",
     "load_tokenizer",
     "load_tokens",
     "node_batches",

@@ -154,21 +154,42 @@ class MixtureBatches:
                 "batch_size": self.batch_size, "slot": self.slot, "num_slots": self.num_slots}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from `state`; it must come from batches with the same layout and sources."""
+        """Continue from `state`; it must come from batches of the same slot and layout (`layout_changes`).
+
+        The batch size may differ: the positions count sequences, not batches, so every source continues at
+        the sequence where it was and the batches draw the new number from then on.
+        """
         if "positions" not in state:
             raise ValueError("MixtureBatches.load_state_dict: this state was not saved by MixtureBatches (a "
                              "checkpoint from before data mixtures?); start the data from the beginning instead")
-        for name in ("seed", "seq_len", "batch_size", "slot", "num_slots", "rows"):
-            mine = self.state_dict()[name]
-            if state[name] != mine:
-                raise ValueError(f"MixtureBatches.load_state_dict: saved {name}={state[name]} but these batches "
-                                 f"have {name}={mine}; the positions would not match")
+        changed = layout_changes(state, self.state_dict())
+        if state["slot"] != self.slot:
+            changed["slot"] = (state["slot"], self.slot)
+        if changed:
+            name, (saved, mine) = next(iter(changed.items()))
+            raise ValueError(f"MixtureBatches.load_state_dict: saved {name}={saved} but these batches "
+                             f"have {name}={mine}; the positions would not match")
         for source, epoch, position in zip(self.sources, state["epochs"], state["positions"], strict=True):
             if not 0 <= position < len(source.row_ids):
                 raise ValueError(f"MixtureBatches.load_state_dict: position {position} is outside "
                                  f"[0, {len(source.row_ids)})")
             source.epoch, source.position = int(epoch), int(position)
         self.batch = int(state["batch"])
+
+
+# What a saved position refers to: with any of these changed, the saved positions name other sequences (rows: how
+# many sequences each source has in the slot, which changes with the data, its tokenizer or its validation split).
+LAYOUT_KEYS = ("seed", "seq_len", "num_slots", "rows")
+
+
+def layout_changes(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """{key: (saved, current)} for the `LAYOUT_KEYS` in which two `MixtureBatches.state_dict()`s differ.
+
+    Keys missing from either side are not compared, so a launcher that knows only part of the layout before the
+    data is loaded can check that part.
+    """
+    return {key: (saved[key], current[key]) for key in LAYOUT_KEYS
+            if key in saved and key in current and saved[key] != current[key]}
 
 
 def node_batches(prepared: PreparedData, cfg: DataConfig, *, seq_len: int, batch_size: int, slot: int,
@@ -285,4 +306,5 @@ class PackedBatches:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
 
-__all__ = ["MixtureBatches", "PackedBatches", "draw_counts", "node_batches", "validation_batches"]
+__all__ = ["LAYOUT_KEYS", "MixtureBatches", "PackedBatches", "draw_counts", "layout_changes", "node_batches",
+           "validation_batches"]

@@ -28,6 +28,13 @@ class Source(enum.Enum):
     CPYTHON = "cpython"  # the running interpreter's standard library sources (~12M characters)
 
 
+class LayoutChange(enum.Enum):
+    """What `--resume` does when the data layout differs from the checkpoint's (its saved positions no longer map)."""
+
+    REFUSE = "refuse"  # stop before training, naming the setting that changed and its saved value
+    RESTART = "restart"  # each node reads its data slot from the start in the new layout (seen sequences again)
+
+
 class Split(enum.Enum):
     """Which part of each source's stream: the validation split is its last `val_fraction`."""
 
@@ -128,6 +135,9 @@ class DataConfig:
                                 validator=unit_interval())
     seed: int = field(0, doc="seed of the per-epoch shuffles and of each batch's draw from the sources",
                       validator=non_negative_int())
+    on_layout_change: LayoutChange = field(LayoutChange.REFUSE, doc="on --resume after train.seq_len, mesh.max_nodes, "
+                                           "data.seed or the data changed: refuse, or restart each slot's data",
+                                           validator=instance_of(LayoutChange))
     cache_dir: str | None = field(None, doc="cache directory (None: $OPENPRIME_CACHE or ~/.cache/openprime)",
                                   validator=attrs.validators.optional(instance_of(str)))
 
