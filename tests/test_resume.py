@@ -177,6 +177,20 @@ def test_resume_with_another_batch_size_goes_on(stopped, tmp_path):
     assert max(summarize(run_dir).distinct_hashes) == 4
 
 
+def test_resume_of_a_complete_run_or_past_num_steps_starts_no_node(baseline, tmp_path):
+    """Before, the nodes started, trained nothing and the run said "done", a mistyped train.num_steps below the
+    checkpoint's step included."""
+    run_dir = _copy(baseline, tmp_path)
+    before = (run_dir / "metrics.jsonl").read_bytes()
+    proc = _run(run_dir, "--resume", "latest")
+    assert "the run is complete: " in proc.stdout and "is at train.num_steps=60" in proc.stdout
+    assert "--set train.num_steps=120" in proc.stdout and "starting" not in proc.stdout
+    proc = _run(run_dir, "--resume", "latest", "--set", "train.num_steps=50", "--set", "schedule.num_decay_steps=20",
+                expect=2)
+    assert "is at inner step 60, past train.num_steps=50: there is nothing to train" in proc.stderr
+    assert (run_dir / "metrics.jsonl").read_bytes() == before and not list(run_dir.glob("config.resumed-*"))
+
+
 def test_export_of_a_run_loads_in_transformers_with_the_same_logits(stopped, tmp_path):
     import transformers  # in requirements.txt: a missing install fails here, not skips
     out = tmp_path / "hf"

@@ -278,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         first_node = _check_run_dir(args, cfg, run_dir)
         if args.resume:
             resume = _resume_from(args, cfg, run_dir)
+            if resume.step >= cfg.train.num_steps:
+                return _nothing_to_train(resume, cfg.train.num_steps, run_dir)
     except OpenPrimeError as e:
         print(f"openprime: error: {e}", file=sys.stderr)
         return 2
@@ -290,6 +292,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     return launch(cfg, num_nodes=args.nodes, run_dir=run_dir, coordinator=args.join, resume=resume,
                   first_node=first_node)
+
+
+def _nothing_to_train(resume: Checkpoint, num_steps: int, run_dir: pathlib.Path) -> int:
+    """A checkpoint at or past train.num_steps: say so, start no node (before, the nodes started, trained nothing
+    and the run said "done", also when a mistyped train.num_steps was below the checkpoint's step)."""
+    more = f"--set train.num_steps={2 * resume.step} (the schedule's cooldown moves to the new end)"
+    if resume.step == num_steps:
+        print(f"openprime: the run is complete: {resume.path} is at train.num_steps={num_steps}; to train it further "
+              f"resume with {more}; export it with `openprime export {run_dir} OUT_DIR`", flush=True)
+        return 0
+    print(f"openprime: error: {resume.path} is at inner step {resume.step}, past train.num_steps={num_steps}: there "
+          f"is nothing to train. Resume with train.num_steps above {resume.step}, e.g. {more}", file=sys.stderr)
+    return 2
 
 
 def check_join_address(address: str, flag: str = "--join") -> None:
