@@ -170,11 +170,17 @@ def test_resume_with_another_data_layout_is_refused_before_starting_or_restarts_
 
 @pytest.mark.slow
 def test_resume_with_another_batch_size_goes_on(stopped, tmp_path):
-    """The data positions count sequences, so a new batch size continues them (before: refused in every node)."""
+    """The data positions count sequences, so a new batch size continues them (before: refused in every node). The
+    records go on counting the tokens trained (before, step x the new batch's tokens: 30 steps of 8 sequences
+    counted as 30 of 4)."""
     run_dir = _copy(stopped, tmp_path)
+    num_records = len(read_records(run_dir))
     proc = _run(run_dir, "--resume", "latest", "--set", "train.batch_size=4", "--set", "train.stop_after_outer_steps=4")
     assert proc.stdout.count("resumed with train.batch_size 4 (saved: 8)") == 2, proc.stdout
     assert max(summarize(run_dir).distinct_hashes) == 4
+    tokens = {r["step"]: r["tokens"] for r in read_records(run_dir)[num_records:] if r["kind"] == "step"}
+    assert sorted(tokens) == list(range(31, 41))
+    assert all(tokens[step] == 30 * 8 * 32 + (step - 30) * 4 * 32 for step in tokens), tokens
 
 
 def test_resume_of_a_complete_run_or_past_num_steps_starts_no_node(baseline, tmp_path):

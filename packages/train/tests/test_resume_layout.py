@@ -6,7 +6,7 @@ size, which the positions survive, was refused the same way."""
 import pytest
 
 from openprime.core.errors import ConfigError
-from openprime.train.checkpointing import data_layout_changes
+from openprime.train.checkpointing import data_layout_changes, saved_tokens
 from openprime.train.data import LayoutChange
 
 SAVED = {"batch": 20, "epochs": [0, 0], "positions": [80, 80], "rows": [935, 1013], "seed": 0, "seq_len": 32,
@@ -47,3 +47,8 @@ def test_restart_returns_the_changes_for_the_node_to_say():
     # A launcher knows the settings before the data is loaded: it compares those.
     assert data_layout_changes(SAVED, {"seed": 0, "seq_len": 32, "num_slots": 4}, where="X",
                                on_change=LayoutChange.RESTART) == ["mesh.max_nodes 4 (saved: 8)"]
+
+
+def test_the_tokens_trained_come_from_the_checkpoint_or_from_its_step_when_it_has_none():
+    assert saved_tokens({"progress": {"tokens": 7680}, "diloco": {"num_inner_steps_done": 30}}, 128) == 7680
+    assert saved_tokens({"diloco": {"num_inner_steps_done": 30}}, 128) == 30 * 128  # saved before 2026-12-04

@@ -136,9 +136,11 @@ def node_checkpointer(cfg: CheckpointConfig, run_dir: pathlib.Path, part: str) -
 
 
 def node_state(*, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
-               diloco: DiLoCo, batches: MixtureBatches, model_cfg: ModelConfig) -> dict[str, Any]:
-    """Everything this node needs to continue exactly (live tensors: the checkpointer snapshots them)."""
+               diloco: DiLoCo, batches: MixtureBatches, model_cfg: ModelConfig, tokens: int = 0) -> dict[str, Any]:
+    """Everything this node needs to continue exactly (live tensors: the checkpointer snapshots them); `tokens`:
+    the tokens per node trained so far, which a resumed run's records go on counting (`saved_tokens`)."""
     return {
+        "progress": {"tokens": tokens},
         "model": local_state(get_model_state_dict(model)),
         "optim": local_state(get_optimizer_state_dict(model, opt)),
         "scheduler": sched.state_dict(),
@@ -219,6 +221,12 @@ def restore_node(state: dict[str, Any], *, model: torch.nn.Module, opt: torch.op
             changed.append(f"train.batch_size {batches.batch_size} (saved: {state['data']['batch_size']})")
     torch.set_rng_state(state["rng"]["torch"])
     return changed + data_changes
+
+
+def saved_tokens(state: dict[str, Any], tokens_per_step: int) -> int:
+    """The tokens per node trained up to a checkpoint: as saved, or, for a checkpoint from before they were
+    (2026-12-04), its step times this run's tokens per step."""
+    return int(state.get("progress", {}).get("tokens", state["diloco"]["num_inner_steps_done"] * tokens_per_step))
 
 
 # param group key -> OptimizerConfig field, where they differ ("lr" in a param group is the scheduled lr).

@@ -47,6 +47,7 @@ from openprime.train.checkpointing import (
     part_name,
     parts_by_node,
     restore_node,
+    saved_tokens,
     slot_of_part,
 )
 from openprime.train.config import RunConfig, Strategy, TensorBoard
@@ -231,6 +232,9 @@ class Node:
                                         joining=self.joining)
         self.counters: DiLoCo | GradientAllReduce = self.diloco or self.dp  # inner and outer steps done
         self.batches: MixtureBatches | None = None
+        # The tokens per node trained by inner step s: s * tokens_per_step + tokens_offset, the offset from a resume
+        # of a run that had another batch size or sequence length (a joiner counts the run's steps at its own).
+        self.tokens_per_step, self.tokens_offset = cfg.train.batch_size * cfg.train.seq_len, 0
         self._eval_batches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def write(self, kind: str, **fields: object) -> None:
@@ -259,7 +263,10 @@ class Node:
                 part = part_name(self.saved_slot, self.local_rank, self.cfg.fsdp.num_local_ranks)
                 self.say(f"[node {self.node}] its saved data slot {self.saved_slot} went to another node: it continues "
                          f"from that slot's part on data slot {self.mesh.slot}, whose data it reads from the start")
-            changed = restore_node(load_node_part(resume, part, self.model), model=self.model, opt=self.opt,
+            state = load_node_part(resume, part, self.model)
+            saved_step = int(state["diloco"]["num_inner_steps_done"])
+            self.tokens_offset = saved_tokens(state, self.tokens_per_step) - saved_step * self.tokens_per_step
+            changed = restore_node(state, model=self.model, opt=self.opt,
                                    sched=self.sched, diloco=self.diloco,
                                    batches=self.batches if part == self.part else None,
                                    on_layout_change=self.cfg.data.on_layout_change)
@@ -311,6 +318,10 @@ class Node:
                 total += cross_entropy_loss(logits_BLV, targets_BL.to(self.device)).item()
         return total / len(self._eval_batches)
 
+    def tokens(self, step: int) -> int:
+        """The tokens per node trained by the end of inner step `step`."""
+        return step * self.tokens_per_step + self.tokens_offset
+
     def checkpoint_due(self, stopping: bool) -> bool:
         done = self.counters.num_inner_steps_done
         return self.ckpt is not None and (stopping or done % self.cfg.checkpoint.interval_steps == 0
@@ -321,7 +332,8 @@ class Node:
         the local ranks)."""
         assert self.ckpt is not None and self.batches is not None
         state = node_state(model=self.model, opt=self.opt, sched=self.sched, diloco=self.diloco,
-                           batches=self.batches, model_cfg=self.cfg.model)
+                           batches=self.batches, model_cfg=self.cfg.model,
+                           tokens=self.tokens(self.diloco.num_inner_steps_done))
         previous = self.ckpt.wait()
         view, ranks = self.mesh.view, self.cfg.fsdp.num_local_ranks
         slots = [slot for _, slot in view.slots] if view else []
@@ -414,7 +426,7 @@ class Progress:
 
     def __init__(self, cfg: RunConfig, node: Node) -> None:
         self.cfg, self.n = cfg, node
-        self.tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
+        self.tokens_per_step = node.tokens_per_step
         self.flops_per_token = num_flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak_flops = cfg.metrics.peak_flops or (visible_gpu().peak_flops if node.device.type == "cuda" else 0.0)
         self.clock, self.window_start = WallClock(), time.monotonic()
@@ -429,7 +441,7 @@ class Progress:
         tokens_per_s = self.tokens_per_step / step_s
         mfu = model_flops_utilisation(tokens_per_s=tokens_per_s, flops_per_token=self.flops_per_token,
                                       peak_flops=self.peak_flops, num_devices=cfg.fsdp.num_local_ranks)
-        n.write("step", step=step, loss=loss, lr=lr, tokens=step * self.tokens_per_step, step_s=step_s,
+        n.write("step", step=step, loss=loss, lr=lr, tokens=n.tokens(step), step_s=step_s,
                 tokens_per_s=tokens_per_s, mfu=mfu, grad_norm=grad_norm, skipped=skipped)
         if result is not None:
             self.clock.outer_s += result.total_s
@@ -441,7 +453,7 @@ class Progress:
         last = step == cfg.train.num_steps
         num_nodes = len(n.mesh.view.members) if n.mesh.view else 1
         if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or last):
-            n.write("eval", step=step, val_loss=n.evaluate(), tokens=step * self.tokens_per_step, num_nodes=num_nodes)
+            n.write("eval", step=step, val_loss=n.evaluate(), tokens=n.tokens(step), num_nodes=num_nodes)
         if step % cfg.train.log_every == 0 or last:
             elapsed, self.window_start = time.monotonic() - self.window_start, time.monotonic()
             n.say(progress_line(node=n.node, step=step, num_steps=cfg.train.num_steps, loss=loss,
