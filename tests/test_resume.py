@@ -100,9 +100,12 @@ def test_a_corrupt_checkpoint_falls_back_to_the_previous_one(baseline, stopped, 
 def _signalled_after_the_first_checkpoint(run_dir: pathlib.Path, signum: int) -> tuple[int, str]:
     """`openprime run` of the short 2-node run, sent `signum` once its first checkpoint is written; returns its exit
     code and output."""
+    # A shell without job control starts background commands with SIGINT ignored, and their children inherit it
+    # (Python then installs no KeyboardInterrupt handler): a suite run that way would see Ctrl-C ignored. The
+    # launcher is started as from a terminal, with SIGINT at its default.
     proc = subprocess.Popen([sys.executable, "-m", "openprime.train.cli", "run", str(ROOT / "recipes" / "debug.py"),
                              "--run-dir", str(run_dir), *SHORT], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         wait_for(run_dir, lambda records: any(r["kind"] == "checkpoint" for r in records), timeout_s=120)
         proc.send_signal(signum)
