@@ -287,6 +287,30 @@ def test_a_node_that_disagrees_with_the_run_is_refused_naming_what_differs(coord
     _close([other, next_run])
 
 
+def test_slots_stop_at_the_number_the_nodes_cut_their_data_into():
+    """A `mesh serve` at its default max_nodes (64) under a recipe of 2 data slots: before, it granted slot 2 to a
+    third node, whose data loader then failed on a slot outside its 2; now that node is refused as the run is full.
+    A recipe of more slots than the coordinator grants is refused at once: their data would never be read."""
+    coordinator = Coordinator(attrs.evolve(FAST, max_nodes=64)).start()
+    clients = [MeshClient(coordinator.address, FAST, node_id=f"n{i}") for i in range(4)]
+    try:
+        terms = {"mesh.max_nodes": "2", "model.dim": "128"}
+        assert coordinator.num_slots == 64
+        assert [clients[i].join(terms=terms) for i in range(2)] == [0, 1]
+        assert coordinator.num_slots == 2
+        with pytest.raises(JoinRefused, match=r"the run is full: every one of the 2 data slots its nodes cut the "
+                                              r"data into \(mesh.max_nodes=2 in their recipe\) is taken"):
+            clients[2].join(terms=terms, timeout_s=2)
+        with pytest.raises(JoinRefused, match=r"cuts its data into mesh.max_nodes=100 slots but this coordinator "
+                                              r"grants at most 64 .*--set max_nodes=100, or give the run "
+                                              r"--set mesh.max_nodes=64"):
+            clients[3].join(terms={**terms, "mesh.max_nodes": "100"}, timeout_s=2)
+        assert set(coordinator.nodes) == {"n0", "n1"}
+    finally:
+        _close(clients)
+        coordinator.stop()
+
+
 def test_coordinator_restart_keeps_the_run(coordinator):
     clients = _clients(coordinator, 2)
     first = run_threads([lambda c=c: c.sync(0) for c in clients])[0]

@@ -19,6 +19,7 @@ What it decides, on one thread, between messages:
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -32,7 +33,7 @@ from openprime.core.auth import AuthConfig
 from openprime.core.distributed import host_store
 from openprime.core.errors import ConfigError
 from openprime.mesh.config import MeshConfig
-from openprime.mesh.protocol import BadMessage, check_request, pack, unpack
+from openprime.mesh.protocol import SLOTS_TERM, BadMessage, check_request, pack, unpack
 from openprime.mesh.ring_order import best_ring, ring_bottleneck
 
 log = logging.getLogger("openprime.mesh.coordinator")
@@ -212,12 +213,23 @@ class Coordinator:
                 self.nodes[node] = NodeRecord(node=node, incarnation="", slot=-1 - i, last_seen=now, joined_at=now)
         self.nodes[message["node"]].slot = self._valid_slot(message["node"], message["slot"])
 
+    @property
+    def num_slots(self) -> int:
+        """The data slots nodes may take: this coordinator's max_nodes, or the number the run's nodes cut their
+        data into when that is fewer (a `mesh serve` left at its default of 64 under a recipe of 8). Before, such a
+        coordinator granted slot 8 to a ninth node, whose data loader then failed on a slot outside its 8."""
+        stated = (self.terms or {}).get(SLOTS_TERM)
+        try:
+            return min(self.config.max_nodes, int(json.loads(stated))) if stated else self.config.max_nodes
+        except (TypeError, ValueError):
+            return self.config.max_nodes
+
     def _valid_slot(self, node: str, slot: int) -> int:
         """The slot a node reports, if it is in range and free; otherwise a free one (or -1 while none is)."""
         used = {r.slot for n, r in self.nodes.items() if n != node}
-        if 0 <= slot < self.config.max_nodes and slot not in used:
+        if 0 <= slot < self.num_slots and slot not in used:
             return slot
-        return next((s for s in range(self.config.max_nodes) if s not in used), -1)
+        return next((s for s in range(self.num_slots) if s not in used), -1)
 
     def _on_join(self, route: bytes, message: dict) -> dict:
         node = message["node"]
@@ -225,25 +237,48 @@ class Coordinator:
             reason = f"node id {node!r} is already in use by a live node"
             self._refuse(route, reason)
             return {"op": "refused", "reason": reason}
-        reason = self._disagreement(node, message.get("terms"))
+        reason = self._too_few_slots(message.get("terms")) or self._disagreement(node, message.get("terms"))
         if reason is not None:
             self._refuse(route, reason)
             return {"op": "refused", "reason": reason}
         record = self.nodes.get(node)
         if record is None:
             used = {r.slot for r in self.nodes.values()}
-            wanted = message.get("slot", -1)
-            if isinstance(wanted, int) and 0 <= wanted < self.config.max_nodes and wanted not in used:
+            wanted, num_slots = message.get("slot", -1), self.num_slots
+            if isinstance(wanted, int) and 0 <= wanted < num_slots and wanted not in used:
                 slot = wanted  # a node resuming from a checkpoint asks for its own data slot
             else:
-                slot = next((s for s in range(self.config.max_nodes) if s not in used), self.config.max_nodes)
-            if slot >= self.config.max_nodes:
-                return {"op": "refused", "reason": f"the run is full (max_nodes={self.config.max_nodes})"}
+                slot = next((s for s in range(num_slots) if s not in used), num_slots)
+            if slot >= num_slots:
+                return {"op": "refused", "reason": self._full(num_slots)}
             now = time.monotonic()
             record = NodeRecord(node=node, incarnation=message["incarnation"], slot=slot, last_seen=now, joined_at=now)
             self.nodes[node] = record
             log.info("node %s joined (slot %d); it is admitted at the next outer step", node, slot)
         return {"op": "joined", "slot": record.slot, "epoch": self.epoch, "step": self.step, "store": self.store}
+
+    def _full(self, num_slots: int) -> str:
+        if num_slots < self.config.max_nodes:
+            return (f"the run is full: every one of the {num_slots} data slots its nodes cut the data into "
+                    f"({SLOTS_TERM}={num_slots} in their recipe) is taken; to train on more nodes, resume the run with "
+                    f"a higher {SLOTS_TERM} and --set data.on_layout_change=restart")
+        return (f"the run is full: this coordinator's max_nodes={self.config.max_nodes} slots are taken; restart it "
+                f"with --set max_nodes=N for more")
+
+    def _too_few_slots(self, terms: Any) -> str | None:
+        """Why a coordinator cannot serve these terms: their data is cut into more slots than it grants, so some
+        slots' data would never be read (None: it can)."""
+        stated = terms.get(SLOTS_TERM) if isinstance(terms, dict) else None
+        try:
+            wanted = int(json.loads(stated)) if stated else 0
+        except (TypeError, ValueError):
+            return None
+        if wanted <= self.config.max_nodes:
+            return None
+        return (f"the node cuts its data into {SLOTS_TERM}={wanted} slots but this coordinator grants at most "
+                f"{self.config.max_nodes} (its max_nodes): the data of slots {self.config.max_nodes}-{wanted - 1} "
+                f"would never be read; start the coordinator with --set max_nodes={wanted}, or give the run "
+                f"--set {SLOTS_TERM}={self.config.max_nodes}")
 
     def _disagreement(self, node: str, terms: Any) -> str | None:
         """Why a joining node may not join this run's terms (None: it may). The first node to join a coordinator

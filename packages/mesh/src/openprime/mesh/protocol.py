@@ -45,6 +45,11 @@ def _mac(secret: bytes, body: bytes) -> bytes:
     return hmac.new(secret, body, hashlib.sha256).digest()
 
 
+# The term in which nodes state how many data slots their data is cut into (their MeshConfig.max_nodes): the
+# coordinator grants no slot beyond it, whatever its own max_nodes (`Coordinator.num_slots`).
+SLOTS_TERM = "mesh.max_nodes"
+
+
 def pack(message: dict[str, Any], *, run_id: str, secret: bytes | None) -> bytes:
     body = msgpack.packb(message)
     return msgpack.packb({"run": run_id, "body": body, "mac": _mac(secret, body) if secret else None})

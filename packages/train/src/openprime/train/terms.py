@@ -24,6 +24,7 @@ import json
 from typing import Any
 
 from openprime.core.config import to_dict
+from openprime.mesh.protocol import SLOTS_TERM
 from openprime.train.config import RunConfig
 from openprime.train.data import PreparedData
 
@@ -52,7 +53,7 @@ def run_terms(cfg: RunConfig, prepared: PreparedData) -> dict[str, str]:
     auth = cfg.transport.options.auth
     terms["transport.auth.run_id"] = json.dumps(auth.run_id)
     terms["transport.auth.secret_fingerprint"] = json.dumps(auth.fingerprint())
-    terms["mesh.max_nodes"] = json.dumps(cfg.mesh.max_nodes)  # the number of data slots the data is cut into
+    terms[SLOTS_TERM] = json.dumps(cfg.mesh.max_nodes)  # the number of data slots the data is cut into
     terms["data.seed"] = json.dumps(cfg.data.seed)
     terms["data.val_fraction"] = json.dumps(cfg.data.val_fraction)
     for i, (entry, source) in enumerate(zip(cfg.data.mixture, prepared.sources, strict=True)):
