@@ -110,3 +110,29 @@ def test_node_processes_leave_when_their_launcher_is_killed(tmp_path):
         launcher.kill()
         if node_pid is not None and not process_ended(node_pid):
             os.kill(node_pid, 9)
+
+
+def test_exit_codes_read_from_two_threads_at_once_are_the_real_ones():
+    """The launcher's watchdog thread polls its node processes while its main thread waits for them. A fork-server
+    process's exit code is 8 bytes read once from a pipe: two threads that both saw the pipe readable both read it,
+    one got the code and the other end-of-file, which multiprocessing turns into 255 ("the fork server got killed?").
+    A CI run saw a node that trained to its end reported as 255 that way."""
+    bad = []
+    for _ in range(20):
+        proc = NodeProcess(target=time.sleep, args=(0.05,))
+        proc.start()
+        seen: list[int | None] = []
+
+        def poll(p=proc, out=seen) -> None:
+            while (code := p.exitcode) is None:
+                pass
+            out.append(code)
+
+        threads = [threading.Thread(target=poll) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        proc.join(timeout=30)
+        bad += [code for code in seen if code != 0]
+    assert bad == [], bad

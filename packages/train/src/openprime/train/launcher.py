@@ -24,7 +24,8 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from multiprocessing import reduction
+from multiprocessing import connection as mp_connection
+from multiprocessing import popen_forkserver, reduction
 from typing import Any
 
 import attrs
@@ -143,6 +144,24 @@ class _Inherited:
             os.environ.update(self._environ)
 
 
+class _OnePoller(popen_forkserver.Popen):
+    """A fork-server process whose exit code may be asked for from several threads (the launcher's watchdog and its
+    main thread). The code is 8 bytes read once from the sentinel pipe; two threads that both found the pipe
+    readable both read it, and the one that got end-of-file set the exit code to 255, multiprocessing's "the fork
+    server got killed?" (a CI run saw a node that trained to its end reported so). Reads are serialised here; the
+    blocking wait of `join()` stays outside the lock."""
+
+    def __init__(self, process_obj: mp.process.BaseProcess) -> None:
+        self._poll_lock = threading.Lock()
+        super().__init__(process_obj)
+
+    def poll(self, flag: int = os.WNOHANG) -> int | None:
+        if flag != os.WNOHANG and self.returncode is None:
+            mp_connection.wait([self.sentinel])
+        with self._poll_lock:
+            return super().poll(os.WNOHANG)
+
+
 class NodeProcess(mp.context.ForkServerProcess):
     """A node process, forked from a server ("forkserver") that imported torch and openprime.train once.
 
@@ -154,6 +173,10 @@ class NodeProcess(mp.context.ForkServerProcess):
     its environment, as they were when it started; a NodeProcess takes the launching process's as they are at
     `start()` instead, as with "spawn" (`output_to` depends on it).
     """
+
+    @staticmethod
+    def _Popen(process_obj: mp.process.BaseProcess) -> _OnePoller:  # noqa: N802 (multiprocessing's name)
+        return _OnePoller(process_obj)
 
     def start(self) -> None:
         mp.set_forkserver_preload(["torch", "openprime.train.launcher"])  # no effect once the server runs
