@@ -59,6 +59,15 @@ class Committee:
     waiting: dict[str, tuple[bytes, int]] = attrs.Factory(dict)
 
 
+def _stated_slots(terms: Any) -> int | None:
+    """The number of data slots that terms state (`SLOTS_TERM`), or None when they state none readable."""
+    stated = terms.get(SLOTS_TERM) if isinstance(terms, dict) else None
+    try:
+        return int(json.loads(stated)) if stated else None
+    except (TypeError, ValueError):
+        return None
+
+
 class Coordinator:
     """The membership server. `start()` runs it on a background thread; `serve_forever()` in this one."""
 
@@ -218,11 +227,8 @@ class Coordinator:
         """The data slots nodes may take: this coordinator's max_nodes, or the number the run's nodes cut their
         data into when that is fewer (a `mesh serve` left at its default of 64 under a recipe of 8). Before, such a
         coordinator granted slot 8 to a ninth node, whose data loader then failed on a slot outside its 8."""
-        stated = (self.terms or {}).get(SLOTS_TERM)
-        try:
-            return min(self.config.max_nodes, int(json.loads(stated))) if stated else self.config.max_nodes
-        except (TypeError, ValueError):
-            return self.config.max_nodes
+        stated = _stated_slots(self.terms)
+        return min(self.config.max_nodes, stated) if stated else self.config.max_nodes
 
     def _valid_slot(self, node: str, slot: int) -> int:
         """The slot a node reports, if it is in range and free; otherwise a free one (or -1 while none is)."""
@@ -268,12 +274,8 @@ class Coordinator:
     def _too_few_slots(self, terms: Any) -> str | None:
         """Why a coordinator cannot serve these terms: their data is cut into more slots than it grants, so some
         slots' data would never be read (None: it can)."""
-        stated = terms.get(SLOTS_TERM) if isinstance(terms, dict) else None
-        try:
-            wanted = int(json.loads(stated)) if stated else 0
-        except (TypeError, ValueError):
-            return None
-        if wanted <= self.config.max_nodes:
+        wanted = _stated_slots(terms)
+        if wanted is None or wanted <= self.config.max_nodes:
             return None
         return (f"the node cuts its data into {SLOTS_TERM}={wanted} slots but this coordinator grants at most "
                 f"{self.config.max_nodes} (its max_nodes): the data of slots {self.config.max_nodes}-{wanted - 1} "

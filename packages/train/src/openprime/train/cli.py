@@ -399,10 +399,11 @@ def _resume_from(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path
     # Local rank 0 of R holds the first ceil(n / R) rows of every n-row parameter (FSDP2 shards dim 0).
     expected = {name: torch.empty((-(-t.shape[0] // ranks), *t.shape[1:]), device="meta")
                 for name, t in model.state_dict().items()}
-    check_compatible(found.part(nodes[0][0]), {"model": expected})
+    first_part = found.part(nodes[0][0])
+    check_compatible(first_part, {"model": expected})
     # The data layout's settings, before any node starts (each node checks its sequences per source as it loads).
     layout = {"seed": cfg.data.seed, "seq_len": cfg.train.seq_len, "num_slots": cfg.mesh.max_nodes}
-    changes = data_layout_changes(part_info(found.part(nodes[0][0]))["state"]["data"], layout,
+    changes = data_layout_changes(part_info(first_part)["state"]["data"], layout,
                                   where=f"checkpoint {found.path}", on_change=cfg.data.on_layout_change)
     if changes:
         print(f"openprime: the data layout changed ({', '.join(changes)}): every node reads its data slot from the "

@@ -404,10 +404,12 @@ def run_node(cfg: RunConfig, *, node: int, coordinator: str, run_dir: pathlib.Pa
             guard.stop_if_diverged(step)
             if result is not None:
                 stopping = bool(stop_at) and counters.num_outer_steps_done >= stop_at
-                if n.checkpoint_due(stopping) and guard.healthy:
-                    n.save()
-                elif n.checkpoint_due(stopping):
-                    n.say(f"[node {node}] no checkpoint at step {step}: its latest inner step had no finite gradient")
+                if n.checkpoint_due(stopping):
+                    if guard.healthy:
+                        n.save()
+                    else:
+                        n.say(f"[node {node}] no checkpoint at step {step}: its latest inner step had no finite "
+                              f"gradient")
                 if stopping:
                     n.say(f"[node {node}] stopping after outer step {stop_at} (train.stop_after_outer_steps); "
                           f"continue with --resume latest")
