@@ -39,6 +39,7 @@ from openprime.train.config import RunConfig, TransportKind
 from openprime.train.hardware import check_hardware
 from openprime.train.model import Llama, count_parameters
 from openprime.train.recipe import loaded_recipe_files, recipe_config
+from openprime.train.run_lock import RunDirInUse, RunDirLock
 from openprime.train.site import site_overrides
 from openprime.train.transports import check_installed, codec_for
 
@@ -269,13 +270,40 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"openprime: error: {e}", file=sys.stderr)
         return 2
-    from openprime.train.launcher import launch, write_run_files
 
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = (args.run_dir or pathlib.Path("runs") / f"{cfg.name}-{stamp}").resolve()
+    try:
+        lock = RunDirLock(run_dir, shared=bool(args.join))  # held until the nodes have stopped
+    except RunDirInUse as e:
+        if not args.join or args.resume:
+            print(f"openprime: error: {e}", file=sys.stderr)
+            return 2
+        # Held by a launch with its own coordinator: this one may write beside it if it joins that very run.
+        lock, in_use = contextlib.nullcontext(), True
+    except OSError as e:
+        return _unwritable(run_dir, e)
+    else:
+        in_use = False
+    with lock:
+        return _start(args, cfg, run_dir, overrides, in_use=in_use)
+
+
+def _unwritable(run_dir: pathlib.Path, e: OSError) -> int:
+    print(f"openprime: error: cannot write the run directory {run_dir}: {e.strerror or e} "
+          f"({e.filename or run_dir}); choose another with --run-dir", file=sys.stderr)
+    return 2
+
+
+def _start(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path, overrides: list[str], *,
+           in_use: bool) -> int:
+    """The launch, once it holds its run directory (or, `in_use`, joins the run of the launch that holds it): the
+    directory and the checkpoint checked, the run's files written, the nodes started and waited for."""
+    from openprime.train.launcher import launch, write_run_files
+
     resume = None
     try:
-        first_node = _check_run_dir(args, cfg, run_dir)
+        first_node = _check_run_dir(args, cfg, run_dir, in_use=in_use)
         if args.resume:
             resume = _resume_from(args, cfg, run_dir)
             if resume.step >= cfg.train.num_steps:
@@ -287,9 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         write_run_files(run_dir, cfg, recipe=args.recipe.resolve(), recipe_files=loaded_recipe_files(),
                         overrides=overrides, num_nodes=args.nodes, resumed_from=resume.path if resume else None)
     except OSError as e:
-        print(f"openprime: error: cannot write the run directory {run_dir}: {e.strerror or e} "
-              f"({e.filename or run_dir}); choose another with --run-dir", file=sys.stderr)
-        return 2
+        return _unwritable(run_dir, e)
     return launch(cfg, num_nodes=args.nodes, run_dir=run_dir, coordinator=args.join, resume=resume,
                   first_node=first_node)
 
@@ -320,7 +346,7 @@ def check_join_address(address: str, flag: str = "--join") -> None:
         raise ConfigError(f"{flag} {address!r}: expected {what}, with a port from 1 to 65535")
 
 
-def _check_run_dir(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path) -> int:
+def _check_run_dir(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path, *, in_use: bool = False) -> int:
     """A run directory that holds a run is continued (`--resume latest`), not started again; one whose run saved no
     checkpoint (it ended before its first) can be neither. A launch joining a run without a checkpoint may share
     the directory of the run it joins (one disk for several launches), and no other run's: its nodes' records and
@@ -329,7 +355,7 @@ def _check_run_dir(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Pa
     from openprime.train.checkpointing import checkpoint_root
 
     if args.join and not args.resume:
-        return _check_shared_run_dir(cfg, run_dir, args.join)
+        return _check_shared_run_dir(cfg, run_dir, args.join, in_use=in_use)
     if args.resume not in (None, "latest") or not (run_dir / "metrics.jsonl").exists():
         return 0
     if not list_steps(checkpoint_root(cfg.checkpoint, run_dir)):
@@ -342,14 +368,18 @@ def _check_run_dir(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Pa
     return 0
 
 
-def _check_shared_run_dir(cfg: RunConfig, run_dir: pathlib.Path, coordinator: str) -> int:
+def _check_shared_run_dir(cfg: RunConfig, run_dir: pathlib.Path, coordinator: str, *, in_use: bool = False) -> int:
     """A fresh launch joining `coordinator` may write into `run_dir` only if the run there is the live one; returns
-    the number its first node takes there (past the node numbers in the directory's records)."""
+    the number its first node takes there (past the node numbers in the directory's records). `in_use`: another
+    launch on this machine holds the directory (openprime.train.run_lock)."""
     from openprime.mesh import MeshClient
 
     starts = _starts(run_dir / "metrics.jsonl")
     node_ids = {r.get("node_id", "") for r in starts} - {""}
     if not node_ids:
+        if in_use:  # its nodes have not written a record yet: which run they are in, and their numbers, are unknown
+            raise ConfigError(f"{run_dir} is in use by another openprime launch whose nodes have not started yet: "
+                              f"join once they have, or give this launch another --run-dir")
         return 0
     client = MeshClient(coordinator, cfg.mesh, node_id="cli-run-dir-check")
     try:

@@ -1,0 +1,109 @@
+"""One launch at a time in a run directory (openprime.train.run_lock), and `openprime run` refusing a second."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from openprime.core.errors import ConfigError
+from openprime.train import cli
+from openprime.train.run_lock import LOCK_NAME, RunDirLock
+
+REPO = pathlib.Path(__file__).resolve().parents[3]
+
+
+def test_a_second_launch_is_refused_until_the_first_releases(tmp_path):
+    run_dir = tmp_path / "run"
+    first = RunDirLock(run_dir, shared=False)
+    record = json.loads((run_dir / LOCK_NAME).read_text())
+    assert record["pid"] == os.getpid() and record["command"].startswith("openprime")
+    for shared in (False, True):  # neither a launch of its own nor one joining a run may write beside it
+        with pytest.raises(ConfigError, match=rf"in use by another openprime launch .*pid {os.getpid()} on "):
+            RunDirLock(run_dir, shared=shared)
+    assert json.loads((run_dir / LOCK_NAME).read_text()) == record  # a refused launch leaves the record alone
+    (run_dir / "metrics.jsonl").write_text("")
+    first.release()
+    assert (run_dir / LOCK_NAME).read_text() == ""  # no holder: no record
+    with RunDirLock(run_dir, shared=False):
+        pass
+
+
+def test_launches_joining_one_run_share_its_directory(tmp_path):
+    with (RunDirLock(tmp_path, shared=True), RunDirLock(tmp_path, shared=True),
+          pytest.raises(ConfigError, match=r"a launch that joined a run with --join")):
+        RunDirLock(tmp_path, shared=False)
+    with RunDirLock(tmp_path, shared=False):
+        pass
+
+
+def test_a_directory_made_for_a_launch_that_wrote_nothing_is_removed(tmp_path):
+    with RunDirLock(tmp_path / "tried", shared=False):
+        pass
+    assert not (tmp_path / "tried").exists()
+    with RunDirLock(tmp_path / "ran", shared=False):
+        (tmp_path / "ran" / "config.json").write_text("{}")
+    assert sorted(p.name for p in (tmp_path / "ran").iterdir()) == [LOCK_NAME, "config.json"]
+    (tmp_path / "existing").mkdir()
+    with RunDirLock(tmp_path / "existing", shared=False):
+        pass
+    assert (tmp_path / "existing").is_dir()  # not this launch's to remove
+
+
+def test_the_lock_goes_with_its_holder_when_it_is_killed(tmp_path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import pathlib, sys; from openprime.train.run_lock import RunDirLock; "
+         f"lock = RunDirLock(pathlib.Path({str(tmp_path)!r}), shared=False); print('held', flush=True); "
+         "sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(ConfigError, match=rf"pid {holder.pid} "):
+            RunDirLock(tmp_path, shared=False)
+        holder.send_signal(signal.SIGKILL)
+        assert holder.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    with RunDirLock(tmp_path, shared=False):  # no stale lock after a crash
+        pass
+
+
+def test_openprime_run_in_a_directory_in_use_starts_nothing(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    with RunDirLock(run_dir, shared=False):
+        code = cli.main(["run", str(REPO / "recipes" / "debug.py"), "--nodes", "1", "--run-dir", str(run_dir)])
+        assert code == 2
+        assert f"{run_dir} is in use by another openprime launch" in capsys.readouterr().err
+        assert [p.name for p in run_dir.iterdir()] == [LOCK_NAME]  # no config written, no node started
+
+
+def test_a_launch_joins_into_a_directory_in_use_only_for_the_run_there(tmp_path, capsys, monkeypatch):
+    # `openprime run` (its own coordinator) holds the directory; a `--join` launch of its coordinator from the same
+    # machine may add nodes beside it, as before the lock, once the running launch's nodes have said who they are.
+    from openprime.mesh import Coordinator, MeshClient
+    from openprime.train.recipe import recipe_config
+
+    debug = str(REPO / "recipes" / "debug.py")
+    launched = []
+    monkeypatch.setattr("openprime.train.launcher.launch", lambda cfg, **kw: launched.append(kw) or 0)
+    mesh = recipe_config(debug, []).mesh
+    coordinator = Coordinator(mesh).start()
+    live = MeshClient(coordinator.address, mesh, node_id="live-node")
+    run_dir = tmp_path / "run"
+    try:
+        live.join()
+        with RunDirLock(run_dir, shared=False):
+            join = ["run", debug, "--run-dir", str(run_dir), "--join", coordinator.address]
+            assert cli.main(join) == 2 and not launched
+            assert "whose nodes have not started yet: join once they have" in capsys.readouterr().err
+            (run_dir / "metrics.jsonl").write_text('{"kind": "start", "node": 0, "node_id": "live-node"}\n')
+            assert cli.main(join) == 0 and launched[0]["first_node"] == 1
+            assert cli.main([*join, "--resume", "latest"]) == 2  # a resume restarts its nodes: not beside a run
+            assert f"{run_dir} is in use by another openprime launch" in capsys.readouterr().err
+    finally:
+        live.close()
+        coordinator.stop()
