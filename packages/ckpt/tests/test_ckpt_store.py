@@ -124,6 +124,29 @@ def test_a_step_missing_a_part_is_incomplete(tmp_path) -> None:
         resolve(step_dir(tmp_path, 40))
 
 
+def test_a_failed_write_leaves_no_step_that_looks_newest(tmp_path, monkeypatch) -> None:
+    # Found by hand on a full disk: every failed save left an empty step directory, and the end of the run reported
+    # the newest of them ("newest: step 40") where no checkpoint had been saved at all.
+    from openprime.ckpt import store
+
+    write_part(tmp_path, 20, "slot-0", make_state(1), parts=["slot-0", "slot-1"])
+    real_save = store.dcp.save
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(store.dcp, "save", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        write_part(tmp_path, 40, "slot-0", make_state(2), parts=["slot-0", "slot-1"])
+    assert list_steps(tmp_path) == [20]  # the step that no part finished is gone
+    with pytest.raises(OSError, match="No space left"):
+        write_part(tmp_path, 20, "slot-1", make_state(3), parts=["slot-0", "slot-1"])
+    assert list_steps(tmp_path) == [20] and (step_dir(tmp_path, 20) / "slot-0").is_dir()  # another part's step stays
+    monkeypatch.setattr(store.dcp, "save", real_save)
+    write_part(tmp_path, 20, "slot-1", make_state(3), parts=["slot-0", "slot-1"])
+    assert latest(tmp_path).parts == ("slot-0", "slot-1")
+
+
 def test_a_machine_with_its_own_parts_only_uses_what_is_enough_for_it(tmp_path, caplog) -> None:
     # Machine B of a two-machine run saved slot-1 of steps 20, 40 and 60 to its own disk (slot-0 is on machine A's);
     # its step 60 part is corrupt.

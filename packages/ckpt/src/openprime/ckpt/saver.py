@@ -10,6 +10,7 @@ leaves only a temporary directory, which the next successful save of that part r
 
 from __future__ import annotations
 
+import itertools
 import logging
 import pathlib
 import threading
@@ -87,10 +88,14 @@ class Checkpointer:
             path = write_part(self.root, step, self.part, host, parts=parts)
         except (Exception, CheckpointException) as e:  # the run must go on; the previous checkpoint is untouched
             cause = dcp_cause(e)
-            log.error("checkpoint of step %d (%s) under %s FAILED: %s (is the disk full?); the previous checkpoint "
-                      "is intact and training continues", step, self.part, self.root, cause)
             self.results.append(SaveResult(step=step, path=None, blocking_s=blocking_s,
                                            total_s=time.monotonic() - start, error=cause))
+            failed = list(itertools.takewhile(lambda r: r.path is None, reversed(self.results)))
+            newest = next((r.step for r in reversed(self.results) if r.path is not None), None)
+            log.error("checkpoint of step %d (%s) under %s FAILED: %s (is the disk full?); %d save(s) of this part "
+                      "failed in a row, %s; training continues, but a crash would lose the steps since",
+                      step, self.part, self.root, cause, len(failed),
+                      f"its newest save is step {newest}" if newest is not None else "no save of it finished yet")
             return
         try:
             later = prune(self.root, self.part, num_keep=self.num_keep, saved=step)

@@ -102,7 +102,8 @@ def write_part(root: pathlib.Path, step: int, part: str, state: Mapping[str, Any
     """Write one part of step `step` atomically; `parts` names every part the step needs. Returns its path.
 
     On any error (a full disk, a killed process) the temporary directory is removed when possible and
-    nothing under the final name changes; the error propagates to the caller.
+    nothing under the final name changes; the error propagates to the caller. A step directory left empty by
+    the failure is removed too, so that it does not read as the run's newest step.
     """
     if part not in parts:
         raise ValueError(f"part {part!r} is not among the step's parts {list(parts)}")
@@ -111,7 +112,7 @@ def write_part(root: pathlib.Path, step: int, part: str, state: Mapping[str, Any
     tmp = target / f"{TMP_PREFIX}{part}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tensors, skeleton = flatten(state)
     try:
-        tmp.mkdir()
+        tmp.mkdir(parents=True)  # with its step directory, should another part's failed save have removed it
         with _quiet_dcp():
             dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True, thread_count=1), no_dist=True)
         meta = {"step": step, "part": part, "parts": list(parts), "state": skeleton}
@@ -129,6 +130,8 @@ def write_part(root: pathlib.Path, step: int, part: str, state: Mapping[str, Any
         return final
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        with contextlib.suppress(OSError):  # not empty: other parts of the step are there or on their way
+            target.rmdir()
         raise
 
 

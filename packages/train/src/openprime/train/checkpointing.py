@@ -97,6 +97,19 @@ def nodes_here(num_nodes: int) -> PartsCheck:
     return enough
 
 
+def newest_saved(root: pathlib.Path) -> int | None:
+    """The newest step under `root` of which at least one node's parts all finished saving (their manifests are
+    checked, not their checksums: this is what the end of a launch reports, not a resume), or None. Every node
+    holds the same global state after an outer step, so one node's parts are enough to export the model or to
+    continue the run (more nodes join it and take the state from a peer)."""
+    for step in reversed(list_steps(root)):
+        try:
+            return verify_step(root, step, checksums=False, enough=nodes_here(1)).step
+        except (CorruptCheckpoint, OSError, ValueError, KeyError):
+            continue
+    return None
+
+
 def usable_nodes(found: Checkpoint) -> Checkpoint:
     """`found` with only the parts of whole nodes (a node missing a local rank's part cannot resume)."""
     named = part_info(found.part(found.parts[0]))["parts"]

@@ -36,11 +36,11 @@ from openprime.core.distributed import host_store
 from openprime.core.errors import ConfigError
 from openprime.core.transport import Rendezvous
 from openprime.mesh import Coordinator, JoinRefused
-from openprime.train.checkpointing import checkpoint_root, parts_by_node
+from openprime.train.checkpointing import checkpoint_root, newest_saved, parts_by_node
 from openprime.train.config import RunConfig
 from openprime.train.data import prepare_data
 from openprime.train.guard import Diverged
-from openprime.train.metrics import summarize
+from openprime.train.metrics import RunSummary, summarize
 from openprime.train.trainer import run_node
 
 
@@ -400,7 +400,15 @@ def launch(cfg: RunConfig, *, num_nodes: int, run_dir: pathlib.Path, coordinator
                                            "no node finished. See the log above."), file=sys.stderr)
         _print_checkpoints(cfg, run_dir, num_nodes=num_nodes, joined=coordinator, how_to_continue=not refused)
         return REFUSED_EXIT if refused else 1
-    _print_summary(cfg, run_dir, time.monotonic() - start, num_nodes=num_nodes, joined=coordinator)
+    summary, saved = _print_summary(cfg, run_dir, time.monotonic() - start, num_nodes=num_nodes, joined=coordinator)
+    last = summary.last_checkpoint_step
+    if last is not None and (saved is None or saved < last):  # trained, but what it trained is not on disk
+        print(f"openprime: error: the run's last checkpoint, of step {last}, did not finish saving (the errors above "
+              f"say why). " + (f"Its newest saved one is step {saved}: free space and continue from it with --resume "
+                               f"latest" if saved is not None else "None of its checkpoints finished saving: free "
+                               "space, or give checkpoint.directory another disk, and start it again"),
+              file=sys.stderr)
+        return 1
     return 0
 
 
@@ -439,7 +447,9 @@ def _stopped_by_signals() -> Iterator[Callable[[], None]]:
 
 
 def _print_summary(cfg: RunConfig, run_dir: pathlib.Path, elapsed_s: float, *, num_nodes: int,
-                   joined: str | None) -> None:
+                   joined: str | None) -> tuple[RunSummary, int | None]:
+    """The end of a launch whose nodes finished: what they trained and where it is saved; returns the run's summary
+    and its newest saved checkpoint's step."""
     s = summarize(run_dir)
     print(f"openprime: done in {elapsed_s:.0f}s: {s.num_nodes} nodes, {s.num_outer_steps} outer steps, "
           f"global state hashes {'identical on every node after every outer step' if s.hashes_agree else 'DIFFER'}")
@@ -449,18 +459,27 @@ def _print_summary(cfg: RunConfig, run_dir: pathlib.Path, elapsed_s: float, *, n
               f"sent {s.bytes_sent.get(node, 0):,} bytes"
               + (f", {skipped} step(s) skipped for a NaN/inf gradient" if skipped else ""))
     print(f"  metrics: {run_dir / 'metrics.jsonl'}  config: {run_dir / 'config.json'}")
-    _print_checkpoints(cfg, run_dir, num_nodes=num_nodes, joined=joined)
+    return s, _print_checkpoints(cfg, run_dir, num_nodes=num_nodes, joined=joined)
 
 
 def _print_checkpoints(cfg: RunConfig, run_dir: pathlib.Path, *, num_nodes: int, joined: str | None,
-                       how_to_continue: bool = True) -> None:
-    """Where the run's checkpoints are and the command that continues it (after an end, a failure or Ctrl-C)."""
+                       how_to_continue: bool = True) -> int | None:
+    """Where the run's checkpoints are and the command that continues it (after an end, a failure or Ctrl-C);
+    returns the newest saved step (None: none)."""
     root = checkpoint_root(cfg.checkpoint, run_dir)
     steps = list_steps(root)
-    if steps:
-        # A launch joined to a standalone coordinator (one machine of several) resumes joined to it again.
-        join = f" --join {joined}" if joined else ""
-        more = (f"continue with `openprime run RECIPE --nodes {num_nodes}{join} --run-dir {run_dir} --resume latest`; "
-                if steps[-1] < cfg.train.num_steps and how_to_continue else "")
-        print(f"  checkpoints: {root} (newest: step {steps[-1]}); {more}export the model with "
-              f"`openprime export {run_dir} OUT_DIR`")
+    if not steps:
+        return None
+    saved = newest_saved(root)  # a failed save (a full disk) can leave a step that no node finished
+    if saved is None:
+        print(f"  checkpoints: none under {root} finished saving (the errors above say why)")
+        return None
+    # A launch joined to a standalone coordinator (one machine of several) resumes joined to it again.
+    join = f" --join {joined}" if joined else ""
+    more = (f"continue with `openprime run RECIPE --nodes {num_nodes}{join} --run-dir {run_dir} --resume latest`; "
+            if saved < cfg.train.num_steps and how_to_continue else "")
+    unfinished = [step for step in steps if step > saved]
+    note = f"; the saves of step(s) {unfinished} did not finish" if unfinished else ""
+    print(f"  checkpoints: {root} (newest: step {saved}{note}); {more}export the model with "
+          f"`openprime export {run_dir} OUT_DIR`")
+    return saved

@@ -126,6 +126,7 @@ class RunSummary:
     hashes: dict[int, dict[int, str]]  # outer step -> node -> hash of the global state
     bytes_sent: dict[int, int]  # node -> bytes sent in all outer steps
     num_skipped: dict[int, int] = attrs.field(factory=dict)  # node -> inner steps skipped for a NaN/inf gradient
+    last_checkpoint_step: int | None = None  # the newest step any node started to checkpoint
 
     @property
     def num_outer_steps(self) -> int:
@@ -191,8 +192,11 @@ def summarize(run_dir: pathlib.Path) -> RunSummary:
     sent: dict[int, int] = defaultdict(int)
     skipped: dict[int, int] = defaultdict(int)
     nodes = set()
+    last_checkpoint_step = None
     for r in records:
         nodes.add(r["node"])
+        if r["kind"] == "checkpoint":
+            last_checkpoint_step = max(r["step"], last_checkpoint_step or 0)
         if r["kind"] == "step":
             losses[r["node"]].append(r["loss"])
             skipped[r["node"]] += bool(r.get("skipped"))
@@ -200,4 +204,5 @@ def summarize(run_dir: pathlib.Path) -> RunSummary:
             hashes[r["outer_step"]][r["node"]] = r["state_hash"]
             sent[r["node"]] += r["bytes_sent"]
     return RunSummary(num_nodes=len(nodes), losses=dict(losses), hashes=dict(hashes), bytes_sent=dict(sent),
-                      num_skipped={node: k for node, k in skipped.items() if k})
+                      num_skipped={node: k for node, k in skipped.items() if k},
+                      last_checkpoint_step=last_checkpoint_step)
