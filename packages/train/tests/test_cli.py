@@ -42,6 +42,22 @@ def test_recipe_without_config(capsys, tmp_path):
     assert "defines no run config" in err and "def config() -> RunConfig" in err
 
 
+def test_an_error_in_a_recipe_shows_the_recipes_lines_only(capsys, tmp_path):
+    # Before, a typo or a bug in a recipe ended the command in a traceback through the cli and importlib.
+    (tmp_path / "typo.py").write_text("def config(:\n    pass\n")
+    err = _fails(capsys, tmp_path, str(tmp_path / "typo.py"))
+    assert err.startswith(f"openprime: error: recipe {tmp_path / 'typo.py'} failed:\n  File "), err
+    assert "line 1\n    def config(:\n" in err and err.rstrip().endswith("SyntaxError: invalid syntax")
+    (tmp_path / "base.py").write_text("def config():\n    return {}['model']\n")
+    (tmp_path / "variant.py").write_text("import pathlib\nfrom openprime.train.recipe import load_recipe\n"
+                                         "base = load_recipe(pathlib.Path(__file__).with_name('base.py'))\n"
+                                         "def config():\n    return base.config()\n")
+    err = _fails(capsys, tmp_path, str(tmp_path / "variant.py"))
+    assert f'File "{tmp_path / "variant.py"}", line 5, in config' in err
+    assert f'File "{tmp_path / "base.py"}", line 2, in config' in err and "KeyError: 'model'" in err
+    assert "cli.py" not in err and "importlib" not in err
+
+
 def test_unknown_key_lists_valid_keys(capsys, tmp_path):
     err = _fails(capsys, tmp_path, DEBUG, "--set", "diloco.inner_stepz=3")
     assert "unknown config key 'diloco.inner_stepz' (did you mean 'diloco.num_inner_steps'" in err

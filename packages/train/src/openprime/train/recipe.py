@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import traceback
 import types
+from collections.abc import Callable
+from typing import TypeVar
 
 from openprime.core.config import override_all, split_overrides
 from openprime.core.errors import ConfigError
 from openprime.train.config import RunConfig
 
 _loaded: list[pathlib.Path] = []
+T = TypeVar("T")
 
 
 def load_recipe(path: str | pathlib.Path) -> types.ModuleType:
@@ -35,14 +39,30 @@ def load_recipe(path: str | pathlib.Path) -> types.ModuleType:
 
 def recipe_config(path: str | pathlib.Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """The RunConfig defined by the recipe at `path`, with `key=value` overrides applied and validated."""
-    module = load_recipe(path)
+    module = _recipe_code(path, lambda: load_recipe(path))
     build = getattr(module, "config", None)
     if not callable(build):
         raise ConfigError(f"recipe {path} defines no run config: add `def config() -> RunConfig:` to it")
-    cfg = build()
+    cfg = _recipe_code(path, build)
     if not isinstance(cfg, RunConfig):
         raise ConfigError(f"recipe {path}: config() returned {type(cfg).__name__}, not a RunConfig")
     return override_all(cfg, split_overrides(overrides))
+
+
+def _recipe_code(path: str | pathlib.Path, run: Callable[[], T]) -> T:
+    """Run a recipe's own code (its import, its config()); an error in it is a ConfigError whose message is the
+    traceback from the recipe's first frame on (a SyntaxError: its line and caret), without the frames of the
+    `openprime` command that called it."""
+    try:
+        return run()
+    except ConfigError:
+        raise
+    except Exception as e:
+        error = traceback.TracebackException.from_exception(e)
+        recipes = {str(p) for p in _loaded}
+        first = next((i for i, frame in enumerate(error.stack) if frame.filename in recipes), len(error.stack))
+        error.stack = traceback.StackSummary.from_list(error.stack[first:])
+        raise ConfigError(f"recipe {path} failed:\n{''.join(error.format()).rstrip()}") from e
 
 
 def loaded_recipe_files() -> list[pathlib.Path]:
