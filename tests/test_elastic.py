@@ -143,6 +143,10 @@ def test_node_started_mid_run_is_admitted_at_the_next_outer_step(tmp_path, mode)
     assert joined[0]["num_contributors"] == 2  # the joiner entered with a zero pseudo-gradient
     others = {r["state_hash"] for r in records if r["kind"] == "outer" and r["outer_step"] == joined[0]["outer_step"]}
     assert others == {joined[0]["state_hash"]}  # its first outer step ends bit-identical to the others'
+    # It counts the tokens trained from its donor's count (InnerOptimizerState): the same as the others' at a step.
+    tokens = {(r["node"], r["step"]): r["tokens"] for r in records if r["kind"] == "step"}
+    shared = [step for node, step in tokens if node == 2 and (0, step) in tokens]
+    assert shared and all(tokens[2, step] == tokens[0, step] for step in shared)
     admitted = [r for r in outer_records(records, 0) if r["num_members"] == 3][0]
     if mode == "blocking":  # the others waited for the transfer, then did that outer step with the joiner
         assert admitted["outer_step"] == joined[0]["outer_step"]

@@ -14,7 +14,7 @@ import json
 import logging
 import pathlib
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -251,18 +251,29 @@ def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
 
 
 class InnerOptimizerState(ExtraState):
-    """The AdamW state a joining node takes from its donor in live recovery (paper, section 2.2)."""
+    """The AdamW state a joining node takes from its donor in live recovery (paper, section 2.2), and the donor's
+    count of the tokens it trained: `progress()` gives (inner steps done, tokens per node trained by then), and
+    the joiner's `adopt_progress` takes the donor's. A joiner counting the run's steps at its own tokens per step
+    would be off after a resume that changed the batch size."""
 
-    def __init__(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    def __init__(self, model: torch.nn.Module, opt: torch.optim.Optimizer, *,
+                 progress: Callable[[], tuple[int, int]] | None = None,
+                 adopt_progress: Callable[[int, int], None] | None = None) -> None:
         self.model, self.opt = model, opt
+        self.progress, self.adopt_progress = progress, adopt_progress
 
     def own_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         tensors, skeleton = flatten(local_state(get_optimizer_state_dict(self.model, self.opt)))
-        return tensors, {"optim": skeleton}
+        meta: dict[str, Any] = {"optim": skeleton}
+        if self.progress is not None:
+            meta["steps"], meta["tokens"] = self.progress()
+        return tensors, meta
 
     def load_own_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         like = get_optimizer_state_dict(self.model, self.opt)
         set_optimizer_state_dict(self.model, self.opt, sharded_like(unflatten(meta["optim"], tensors), like))
+        if self.adopt_progress is not None and "tokens" in meta:  # a donor from before 2026-12-04 sends none
+            self.adopt_progress(int(meta["steps"]), int(meta["tokens"]))
 
 
 def find_checkpoint(spec: str, cfg: CheckpointConfig, run_dir: pathlib.Path, *, num_nodes: int) -> Checkpoint:

@@ -225,7 +225,8 @@ class Node:
         if cfg.train.strategy is Strategy.DILOCO:
             self.diloco = DiLoCo(self.model.parameters(), config=cfg.diloco, timeouts=cfg.timeouts,
                                  membership=self.mesh, codec=codec_for(cfg.diloco.compression), joining=self.joining,
-                                 extra=InnerOptimizerState(self.model, self.opt),
+                                 extra=InnerOptimizerState(self.model, self.opt, progress=self._progress,
+                                                           adopt_progress=self._adopt_progress),
                                  lr_factor=lambda: self.sched.get_last_lr()[0] / cfg.optim.lr)
         else:
             self.dp = GradientAllReduce(self.model.parameters(), membership=self.mesh, timeouts=cfg.timeouts,
@@ -233,7 +234,7 @@ class Node:
         self.counters: DiLoCo | GradientAllReduce = self.diloco or self.dp  # inner and outer steps done
         self.batches: MixtureBatches | None = None
         # The tokens per node trained by inner step s: s * tokens_per_step + tokens_offset, the offset from a resume
-        # of a run that had another batch size or sequence length (a joiner counts the run's steps at its own).
+        # of a run that had another batch size or sequence length (a joiner takes its donor's).
         self.tokens_per_step, self.tokens_offset = cfg.train.batch_size * cfg.train.seq_len, 0
         self._eval_batches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
@@ -321,6 +322,15 @@ class Node:
     def tokens(self, step: int) -> int:
         """The tokens per node trained by the end of inner step `step`."""
         return step * self.tokens_per_step + self.tokens_offset
+
+    def _progress(self) -> tuple[int, int]:
+        """What a donor tells its joiner: (inner steps done, tokens per node trained by then)."""
+        assert self.diloco is not None
+        done = self.diloco.num_inner_steps_done
+        return done, self.tokens(done)
+
+    def _adopt_progress(self, steps: int, tokens: int) -> None:
+        self.tokens_offset = tokens - steps * self.tokens_per_step
 
     def checkpoint_due(self, stopping: bool) -> bool:
         done = self.counters.num_inner_steps_done
