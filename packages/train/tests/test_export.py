@@ -133,3 +133,16 @@ def test_empty_out_dir_is_filled(model, tmp_path):
     (tmp_path / "hf").mkdir()
     write_hf_checkpoint(model.state_dict(), DEBUG, tmp_path / "hf")
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_an_export_that_cannot_be_written_is_a_clear_error(model, tmp_path, monkeypatch, capsys):
+    # Before, a full or read-only disk ended `openprime export` in a traceback.
+    from openprime.train import checkpointing, cli
+
+    monkeypatch.setattr(checkpointing, "load_model_weights", lambda source: (DEBUG, model.state_dict(), source))
+    (tmp_path / "a-file").write_text("")
+    out_dir = tmp_path / "a-file" / "hf"
+    assert cli.main(["export", str(tmp_path / "run"), str(out_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"openprime: error: cannot write the export to {out_dir}: File exists "), err
+    assert err.rstrip().endswith("free space, or choose another OUT_DIR")

@@ -115,6 +115,11 @@ def print_plan(args: argparse.Namespace) -> int:
     return 0 if plan.fits else 1
 
 
+def _error(message: str) -> int:
+    print(f"openprime: error: {message}", file=sys.stderr)
+    return 2
+
+
 def export_model(args: argparse.Namespace) -> int:
     """`openprime export`: the newest (or given) checkpoint as config.json + model.safetensors."""
     from openprime.train.checkpointing import load_model_weights
@@ -122,10 +127,17 @@ def export_model(args: argparse.Namespace) -> int:
 
     try:
         model_cfg, weights, part = load_model_weights(args.source)
-        write_hf_checkpoint(weights, model_cfg, args.out_dir, dtype=getattr(torch, args.dtype))
+    except OSError as e:
+        return _error(f"cannot read {args.source}: {e.strerror or e} ({e.filename or args.source})")
     except OpenPrimeError as e:
-        print(f"openprime: error: {e}", file=sys.stderr)
-        return 2
+        return _error(str(e))
+    try:
+        write_hf_checkpoint(weights, model_cfg, args.out_dir, dtype=getattr(torch, args.dtype))
+    except OSError as e:  # a full disk, a read-only one: nothing is left there (the export is written atomically)
+        return _error(f"cannot write the export to {args.out_dir}: {e.strerror or e} ({e.filename or args.out_dir}); "
+                      f"free space, or choose another OUT_DIR")
+    except OpenPrimeError as e:
+        return _error(str(e))
     print(f"openprime: exported {part} to {args.out_dir} ({args.dtype}); load it with "
           f"transformers.LlamaForCausalLM.from_pretrained({str(args.out_dir)!r})")
     return 0
