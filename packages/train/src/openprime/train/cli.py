@@ -79,6 +79,8 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("out_dir", type=pathlib.Path, metavar="OUT_DIR", help="new directory to write")
     export.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="dtype of the exported weights (default float32)")
+    status = commands.add_parser("status", help="where a run stands: its launch, nodes, outer step and checkpoints")
+    status.add_argument("run_dir", type=pathlib.Path, metavar="RUN_DIR", help="the run's --run-dir")
     plan = commands.add_parser("plan", help="memory, compute and communication of a recipe, computed by hand")
     plan.add_argument("recipe", type=pathlib.Path, help="path of the recipe file, e.g. recipes/intellect1_10b.py")
     plan.add_argument("--nodes", type=int, required=True, help="number of nodes (DiLoCo replicas)")
@@ -113,6 +115,17 @@ def print_plan(args: argparse.Namespace) -> int:
         except ConfigError as e:  # what to change, as `openprime run` would say it
             print(f"openprime: {e}", file=sys.stderr)
     return 0 if plan.fits else 1
+
+
+def print_status(args: argparse.Namespace) -> int:
+    """`openprime status RUN_DIR`."""
+    from openprime.train.status import format_status, run_status
+
+    try:
+        print(format_status(run_status(args.run_dir.resolve()), args.run_dir.resolve()))
+    except (OpenPrimeError, OSError, ValueError, KeyError) as e:
+        return _error(f"cannot read the run in {args.run_dir}: {e}")
+    return 0
 
 
 def _error(message: str) -> int:
@@ -263,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         return export_model(args)
     if args.command == "plan":
         return print_plan(args)
+    if args.command == "status":
+        return print_status(args)
     try:
         if args.nodes < 1:
             raise ConfigError(f"--nodes must be >= 1, got {args.nodes}")

@@ -1,0 +1,139 @@
+"""`openprime status RUN_DIR`: where a run stands, read from its directory while it trains or after it ended.
+
+A run of weeks is looked at from a terminal far from its nodes' logs. What its directory holds answers the
+questions asked then: is a launch still running in it (the run-directory lock's record of this machine's
+launch, openprime.train.run_lock), how far it is (the nodes' step and outer-step records in metrics.jsonl),
+whether the replicas agree (the global-state hashes of the last outer step), how long ago a node last wrote,
+and what is saved (the newest checkpoint that finished saving, and the saves that did not). Nothing is locked
+or written: reading never gets in the way of the launch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import socket
+import time
+from typing import Any
+
+import attrs
+
+from openprime.ckpt import list_steps
+from openprime.core.errors import ConfigError
+from openprime.train.checkpointing import newest_saved
+from openprime.train.metrics import METRICS_FILE, read_records
+from openprime.train.run_lock import LOCK_NAME
+
+
+@attrs.frozen
+class NodeStatus:
+    """One node's latest records."""
+
+    node: int
+    step: int
+    loss: float
+    seconds_ago: float  # since its last record of any kind
+    ended: bool  # it wrote its "end" record
+    num_skipped: int  # inner steps skipped for a NaN/inf gradient
+
+
+@attrs.frozen
+class RunStatus:
+    name: str
+    num_steps: int
+    launch: str | None  # this machine's launch running in the directory (pid, start, command), if any
+    nodes: list[NodeStatus]
+    outer_step: int | None  # the newest outer step any node finished
+    members: int | None  # nodes in it
+    hashes_agree: bool | None  # the nodes that finished it hold the same global state
+    val_loss: tuple[int, float] | None  # (step, validation loss) of the newest evaluation
+    saved: int | None  # newest checkpoint step that finished saving
+    unfinished: list[int]  # checkpoint steps after it that were begun (records, directories) but not finished
+
+
+def _launch(run_dir: pathlib.Path) -> str | None:
+    """This machine's launch that holds the run directory, from the lock's record (written only while held)."""
+    try:
+        holder = json.loads((run_dir / LOCK_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    if holder.get("host") != socket.gethostname():
+        return None
+    try:
+        os.kill(int(holder["pid"]), 0)
+    except ProcessLookupError:
+        return None  # killed before it could clear its record
+    except (PermissionError, KeyError, TypeError, ValueError):
+        pass
+    return f"pid {holder.get('pid')}, started {holder.get('started')}: {holder.get('command')}"
+
+
+def run_status(run_dir: pathlib.Path, *, now: float | None = None) -> RunStatus:
+    """What `run_dir` says of its run; ConfigError if it holds none."""
+    if not (run_dir / "config.json").is_file():
+        raise ConfigError(f"{run_dir} holds no run (no config.json): give the --run-dir of an `openprime run`")
+    resolved = json.loads((run_dir / "config.json").read_text())["config"]
+    records = read_records(run_dir) if (run_dir / METRICS_FILE).exists() else []
+    now = time.time() if now is None else now
+    last: dict[int, dict[str, Any]] = {}
+    last_step: dict[int, dict[str, Any]] = {}
+    ended, skipped, attempted = set(), {}, set()
+    outer: dict[int, dict[int, str]] = {}
+    val_loss = None
+    for r in records:
+        node = r["node"]
+        last[node] = r
+        if r["kind"] == "step":
+            last_step[node] = r
+            skipped[node] = skipped.get(node, 0) + bool(r.get("skipped"))
+        elif r["kind"] == "end":
+            ended.add(node)
+        elif r["kind"] == "start":
+            ended.discard(node)
+        elif r["kind"] == "outer" and not r.get("skipped"):
+            outer.setdefault(r["outer_step"], {})[node] = r["state_hash"]
+        elif r["kind"] == "eval":
+            val_loss = (r["step"], r["val_loss"])
+        elif r["kind"] == "checkpoint":
+            attempted.add(r["step"])
+    nodes = [NodeStatus(node=node, step=last_step[node]["step"] if node in last_step else 0,
+                        loss=last_step[node]["loss"] if node in last_step else float("nan"),
+                        seconds_ago=now - r["time"], ended=node in ended, num_skipped=skipped.get(node, 0))
+             for node, r in sorted(last.items())]
+    newest = max(outer, default=None)
+    root = pathlib.Path(resolved["checkpoint"]["directory"] or run_dir / "checkpoints")
+    saved = newest_saved(root)
+    return RunStatus(name=resolved["name"], num_steps=resolved["train"]["num_steps"], launch=_launch(run_dir),
+                     nodes=nodes, outer_step=newest, members=len(outer[newest]) if newest is not None else None,
+                     hashes_agree=len(set(outer[newest].values())) == 1 if newest is not None else None,
+                     val_loss=val_loss, saved=saved,
+                     unfinished=sorted(s for s in attempted.union(list_steps(root)) if saved is None or s > saved))
+
+
+def _ago(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s ago"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min ago"
+    return f"{seconds / 3600:.1f} h ago"
+
+
+def format_status(s: RunStatus, run_dir: pathlib.Path) -> str:
+    launch = f"running here ({s.launch})" if s.launch else "no launch of this machine is running in it"
+    lines = [f"run {s.name!r} in {run_dir}: {launch}"]
+    if s.outer_step is not None:
+        agree = "global state hashes identical" if s.hashes_agree else "global state hashes DIFFER"
+        lines.append(f"  outer step {s.outer_step}: {s.members} node(s), {agree}")
+    for n in s.nodes:
+        state = "ended" if n.ended else f"last record {_ago(n.seconds_ago)}"
+        skipped = f", {n.num_skipped} step(s) skipped for a NaN/inf gradient" if n.num_skipped else ""
+        lines.append(f"  node {n.node}: step {n.step}/{s.num_steps}, loss {n.loss:.4f}, {state}{skipped}")
+    if not s.nodes:
+        lines.append("  no node has written a record yet")
+    if s.val_loss is not None:
+        lines.append(f"  validation loss {s.val_loss[1]:.4f} at step {s.val_loss[0]}")
+    unfinished = f"; the saves of step(s) {s.unfinished} did not finish" if s.unfinished else ""
+    saved = f"newest step {s.saved}" if s.saved is not None else "none saved"
+    lines.append(f"  checkpoints: {saved}{unfinished}")
+    return "\n".join(lines)

@@ -1,0 +1,72 @@
+"""`openprime status RUN_DIR` (openprime.train.status): where a run stands, from its directory alone."""
+
+import json
+import os
+import pathlib
+
+import torch
+
+from openprime.ckpt import write_part
+from openprime.train import cli
+from openprime.train.launcher import write_run_files
+from openprime.train.recipe import recipe_config
+from openprime.train.run_lock import RunDirLock
+from openprime.train.status import run_status
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+DEBUG = ROOT / "recipes" / "debug.py"
+
+
+def _run_dir(tmp_path: pathlib.Path) -> pathlib.Path:
+    """A run of 2 nodes at inner step 20 (H = 10): step 10 saved, the save of step 20 begun and not finished."""
+    run_dir = tmp_path / "run"
+    cfg = recipe_config(DEBUG, ["schedule.num_warmup_steps=5", "schedule.num_decay_steps=10", "train.num_steps=40",
+                               "diloco.num_inner_steps=10"])
+    write_run_files(run_dir, cfg, recipe=DEBUG, recipe_files=[DEBUG], overrides=[], num_nodes=2)
+    records = []
+    for step in range(1, 21):
+        for node in (0, 1):
+            records.append({"kind": "step", "node": node, "time": 1000.0 + step, "step": step,
+                            "loss": 8.0 - 0.1 * step - node, "skipped": node == 1 and step == 5})
+        if step % 10 == 0:
+            for node in (0, 1):  # outer step 2: node 1's state differs
+                state = "aa" if step == 10 or node == 0 else "bb"
+                records.append({"kind": "outer", "node": node, "time": 1000.0 + step, "outer_step": step // 10,
+                                "state_hash": state, "skipped": False})
+                records.append({"kind": "checkpoint", "node": node, "time": 1000.0 + step, "step": step})
+    records.append({"kind": "eval", "node": 0, "time": 1020.5, "step": 20, "val_loss": 6.25})
+    records.append({"kind": "end", "node": 1, "time": 1021.0})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    write_part(run_dir / "checkpoints", 10, "slot-0", {"w": torch.zeros(3)}, parts=["slot-0", "slot-1"])
+    return run_dir
+
+
+def test_status_of_a_run_directory(tmp_path, capsys):
+    run_dir = _run_dir(tmp_path)
+    s = run_status(run_dir, now=1080.0)
+    assert (s.name, s.num_steps, s.outer_step, s.members, s.hashes_agree) == ("debug", 40, 2, 2, False)
+    assert [(n.node, n.step, n.ended, n.num_skipped) for n in s.nodes] == [(0, 20, False, 0), (1, 20, True, 1)]
+    assert s.nodes[0].seconds_ago == 1080.0 - 1020.5 and s.val_loss == (20, 6.25)
+    assert (s.saved, s.unfinished, s.launch) == (10, [20], None)
+
+    assert cli.main(["status", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"run 'debug' in {run_dir}: no launch of this machine is running in it\n")
+    assert "  outer step 2: 2 node(s), global state hashes DIFFER\n" in out
+    assert "  node 0: step 20/40, loss 6.0000, last record " in out
+    assert "  node 1: step 20/40, loss 5.0000, ended, 1 step(s) skipped for a NaN/inf gradient\n" in out
+    assert "  validation loss 6.2500 at step 20\n" in out
+    assert out.endswith("  checkpoints: newest step 10; the saves of step(s) [20] did not finish\n")
+
+
+def test_status_names_the_launch_running_in_the_directory(tmp_path, capsys):
+    run_dir = _run_dir(tmp_path)
+    with RunDirLock(run_dir, shared=False):
+        assert cli.main(["status", str(run_dir)]) == 0
+        assert f": running here (pid {os.getpid()}, started " in capsys.readouterr().out
+    assert run_status(run_dir).launch is None  # released: no record
+
+
+def test_status_of_a_directory_without_a_run(tmp_path, capsys):
+    assert cli.main(["status", str(tmp_path)]) == 2
+    assert f"{tmp_path} holds no run (no config.json)" in capsys.readouterr().err
