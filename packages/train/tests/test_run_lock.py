@@ -107,3 +107,22 @@ def test_a_launch_joins_into_a_directory_in_use_only_for_the_run_there(tmp_path,
     finally:
         live.close()
         coordinator.stop()
+
+
+def test_launches_started_in_the_same_second_get_run_directories_of_their_own(tmp_path, monkeypatch):
+    # A sweep (`for lr in ...; do openprime run ... & done`) names every default run directory runs/NAME-TIMESTAMP
+    # in the same second: before, all its runs trained into one directory; with the lock alone, all but one stopped.
+    import datetime
+    import types
+
+    monkeypatch.chdir(tmp_path)
+    noon = datetime.datetime(2026, 12, 4, 12, 0, 0)
+    monkeypatch.setattr(cli, "datetime", types.SimpleNamespace(datetime=types.SimpleNamespace(now=lambda: noon)))
+    first_dir, first = cli._new_run_dir("debug", shared=False)
+    second_dir, second = cli._new_run_dir("debug", shared=False)
+    with first, second:
+        assert (first_dir, second_dir) == (tmp_path / "runs" / "debug-20261204-120000",
+                                           tmp_path / "runs" / "debug-20261204-120000-2")
+        with pytest.raises(FileExistsError):
+            RunDirLock(first_dir, shared=False, new=True)
+    assert not first_dir.exists() and not second_dir.exists()  # nothing written: nothing left behind

@@ -46,10 +46,11 @@ class RunDirInUse(ConfigError):
 class RunDirLock:
     """The lock of one run directory, held until `release()` (or the end of a `with` block)."""
 
-    def __init__(self, run_dir: pathlib.Path, *, shared: bool) -> None:
+    def __init__(self, run_dir: pathlib.Path, *, shared: bool, new: bool = False) -> None:
+        """`new`: the directory must not exist yet (FileExistsError otherwise): a name the launch chose itself."""
         self.run_dir, self.shared = run_dir, shared
-        self.created_dir = not run_dir.exists()
-        run_dir.mkdir(parents=True, exist_ok=True)
+        self.created_dir = new or not run_dir.exists()
+        run_dir.mkdir(parents=True, exist_ok=not new)
         self.path = run_dir / LOCK_NAME
         self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         self._held = False  # this lock's own: the record in the file, and the directory if it made it
