@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from openprime.core.errors import ConfigError
-from openprime.train import cli
+from openprime.train import cli, run_lock
 from openprime.train.run_lock import LOCK_NAME, RunDirLock
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
@@ -117,9 +117,9 @@ def test_launches_started_in_the_same_second_get_run_directories_of_their_own(tm
 
     monkeypatch.chdir(tmp_path)
     noon = datetime.datetime(2026, 12, 4, 12, 0, 0)
-    monkeypatch.setattr(cli, "datetime", types.SimpleNamespace(datetime=types.SimpleNamespace(now=lambda: noon)))
-    first_dir, first = cli._new_run_dir("debug", shared=False)
-    second_dir, second = cli._new_run_dir("debug", shared=False)
+    monkeypatch.setattr(run_lock, "datetime", types.SimpleNamespace(datetime=types.SimpleNamespace(now=lambda: noon)))
+    first_dir, first = run_lock.new_run_dir(pathlib.Path("runs"), "debug", shared=False)
+    second_dir, second = run_lock.new_run_dir(pathlib.Path("runs"), "debug", shared=False)
     with first, second:
         assert (first_dir, second_dir) == (tmp_path / "runs" / "debug-20261204-120000",
                                            tmp_path / "runs" / "debug-20261204-120000-2")

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
-import itertools
 import json
 import pathlib
 import signal
@@ -40,7 +38,7 @@ from openprime.train.config import RunConfig, TransportKind
 from openprime.train.hardware import check_hardware
 from openprime.train.model import Llama, count_parameters
 from openprime.train.recipe import loaded_recipe_files, recipe_config
-from openprime.train.run_lock import RunDirInUse, RunDirLock
+from openprime.train.run_lock import RunDirInUse, RunDirLock, new_run_dir
 from openprime.train.site import site_overrides
 from openprime.train.transports import check_installed, codec_for
 
@@ -302,13 +300,12 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = (args.run_dir or pathlib.Path("runs")).resolve()  # what an error names until the run's is made
     try:  # the lock is held until the nodes have stopped
         if args.run_dir is None:
-            run_dir, lock = _new_run_dir(cfg.name, shared=bool(args.join))
+            run_dir, lock = new_run_dir(pathlib.Path("runs"), cfg.name, shared=bool(args.join))
         else:
             lock = RunDirLock(run_dir, shared=bool(args.join))
     except RunDirInUse as e:
         if not args.join or args.resume:
-            print(f"openprime: error: {e}", file=sys.stderr)
-            return 2
+            return _error(str(e))
         # Held by a launch with its own coordinator: this one may write beside it if it joins that very run.
         lock, in_use = contextlib.nullcontext(), True
     except OSError as e:
@@ -317,19 +314,6 @@ def main(argv: list[str] | None = None) -> int:
         in_use = False
     with lock:
         return _start(args, cfg, run_dir, overrides, in_use=in_use)
-
-
-def _new_run_dir(name: str, *, shared: bool) -> tuple[pathlib.Path, RunDirLock]:
-    """runs/NAME-TIMESTAMP, made by this launch and locked: with -2, -3, ... after it when another launch took that
-    name in the same second (a sweep that starts its runs at once; before, they all trained into one directory)."""
-    base = pathlib.Path("runs").resolve() / f"{name}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    for k in itertools.count(1):
-        run_dir = base if k == 1 else base.with_name(f"{base.name}-{k}")
-        try:
-            return run_dir, RunDirLock(run_dir, shared=shared, new=True)
-        except FileExistsError:
-            continue
-    raise AssertionError("unreachable")
 
 
 def _unwritable(run_dir: pathlib.Path, e: OSError) -> int:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import errno
+import itertools
 import json
 import os
 import pathlib
@@ -94,6 +95,19 @@ class RunDirLock:
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: types.TracebackType | None) -> None:
         self.release()
+
+
+def new_run_dir(root: pathlib.Path, name: str, *, shared: bool) -> tuple[pathlib.Path, RunDirLock]:
+    """ROOT/NAME-TIMESTAMP, made by this launch and locked: with -2, -3, ... after it when another launch took that
+    name in the same second (a sweep that starts its runs at once; before, they all trained into one directory)."""
+    base = root.resolve() / f"{name}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    for k in itertools.count(1):
+        run_dir = base if k == 1 else base.with_name(f"{base.name}-{k}")
+        try:
+            return run_dir, RunDirLock(run_dir, shared=shared, new=True)
+        except FileExistsError:
+            continue
+    raise AssertionError("unreachable")
 
 
 def _holder() -> dict[str, object]:
