@@ -11,10 +11,13 @@ The lock is `flock(2)` on RUN_DIR/.openprime.lock. The kernel releases it when i
 a launch that joins a run (`--join`) takes it shared, since several launches joining one coordinator may write
 into one directory (openprime.train.cli checks that they join the run that directory holds; a `--join` launch
 into the directory of a running `openprime run` that started its own coordinator may write beside it only if
-that run is the one it joins, which the cli asks the coordinator). The lock file
-holds the exclusive holder's pid, host, start time and command line, for the message that refuses the next one.
+that run is the one it joins, which the cli asks the coordinator). The lock file holds the exclusive holder's
+pid, host, start time and command line, for the message that refuses the next one and for `openprime status`.
 flock does not reach across machines on every network filesystem: there the lock guards the launches of one
 machine only, and where the filesystem refuses locks altogether the launch says so and goes on without one.
+
+A launch given no --run-dir makes its own with `new_run_dir`: runs/NAME-TIMESTAMP, or -2, -3, ... after it when
+launches started in the same second (a sweep) took the name first.
 """
 
 from __future__ import annotations
