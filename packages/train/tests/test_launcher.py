@@ -136,3 +136,49 @@ def test_exit_codes_read_from_two_threads_at_once_are_the_real_ones():
         proc.join(timeout=30)
         bad += [code for code in seen if code != 0]
     assert bad == [], bad
+
+
+class _FakeNodeProcess:
+    """A stand-in for NodeProcess that records the node's arguments and stays alive until `alive` is cleared."""
+
+    started: list[tuple] = []
+
+    def __init__(self, *, target, name, args) -> None:
+        self.name, self.args, self.alive = name, args, True
+
+    def start(self) -> None:
+        _FakeNodeProcess.started.append(self.args)
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+
+def test_nodes_on_one_machine_compute_on_gpus_of_their_own(tmp_path, monkeypatch):
+    # Before, every node of `openprime run --nodes N` on a machine of several GPUs computed on GPU 0 (local rank r
+    # on GPU r), and the other GPUs idled. The last argument of node_main is the node's first GPU.
+    import openprime.train.launcher as launcher_module
+    from openprime.train.hardware import device_blocks, least_used_block
+
+    assert [device_blocks(d, r) for d, r in ((0, 1), (1, 1), (8, 1), (8, 2), (6, 4), (8, 8))] == [1, 1, 8, 4, 1, 1]
+    assert least_used_block([0, 1, 3], num_blocks=4) == 2 and least_used_block([0, 1], num_blocks=2) == 0
+
+    monkeypatch.setattr(launcher_module, "detect_device_type", lambda: "cuda")
+    monkeypatch.setattr(launcher_module.torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(launcher_module, "NodeProcess", _FakeNodeProcess)
+    _FakeNodeProcess.started = []
+    cfg = recipe_config(ROOT / "recipes" / "debug.py", ["fsdp.num_local_ranks=2", "train.micro_batch_size=2"])
+    launcher = Launcher(cfg, tmp_path / "run", num_nodes=3)
+    try:
+        for _ in range(3):
+            launcher.start_node()
+        # Node 0 on GPUs 0-1, node 1 on GPUs 2-3, node 2 shares node 0's (4 GPUs hold 2 nodes of 2 ranks).
+        assert [(args[1], args[6], args[-1]) for args in _FakeNodeProcess.started] == [
+            (0, 0, 0), (0, 1, 0), (1, 0, 2), (1, 1, 2), (2, 0, 0), (2, 1, 0)]
+        launcher.procs[1].alive = False  # node 1 died: its replacement takes its GPUs
+        _FakeNodeProcess.started = []
+        launcher.start_node()
+        assert [(args[1], args[-1]) for args in _FakeNodeProcess.started] == [(3, 2), (3, 2)]
+    finally:
+        launcher.procs.clear()
+        launcher.local_procs.clear()
+        launcher.stop()

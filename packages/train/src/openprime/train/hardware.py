@@ -5,7 +5,9 @@ node). Before a run starts, `check_hardware` makes sure that this machine shows 
 each can hold its share of the model (openprime.train.planner); on a machine without CUDA the ranks are
 CPU processes and there is no device memory to check. `check_local_ranks` is also what a started process
 calls with the local world size it was started with, so that a mesh of the wrong shape is a clear error
-instead of a hang in the first collective.
+instead of a hang in the first collective. Several nodes started on one machine take blocks of its GPUs
+(`device_blocks`, `least_used_block`): node k of R local ranks computes on GPUs [b * R, (b + 1) * R) of the
+block b that the launcher gives it, and nodes past the machine's GPUs share blocks.
 """
 
 from __future__ import annotations
@@ -38,6 +40,19 @@ def visible_gpu(num_devices: int = 1) -> GPU:
     known = next((gpu for key, gpu in GPUS.items() if key in props.name.lower()), None)
     peak_flops = known.peak_flops if known is not None else GPUS["h100"].peak_flops
     return GPU(name=props.name, memory_bytes=props.total_memory, peak_flops=peak_flops)
+
+
+def device_blocks(num_devices: int, num_local_ranks: int) -> int:
+    """How many nodes of `num_local_ranks` processes this machine's `num_devices` GPUs hold side by side: block b
+    is devices [b * R, (b + 1) * R). Nodes past that share blocks. 1 without a GPU (CPU processes share the cores)."""
+    return max(1, num_devices // num_local_ranks)
+
+
+def least_used_block(live: list[int], *, num_blocks: int) -> int:
+    """The block for a node started now: the lowest of those the fewest live nodes use. Several nodes on one
+    machine (`openprime run --nodes 8` on an 8-GPU machine) each get their own GPUs (before, every node computed
+    on GPU 0); a replacement takes the block its dead predecessor left."""
+    return min(range(num_blocks), key=lambda block: (live.count(block), block))
 
 
 def check_local_ranks(fsdp: FSDPConfig, *, device_type: str, local_world_size: int | None = None) -> None:

@@ -29,6 +29,7 @@ from multiprocessing import popen_forkserver, reduction
 from typing import Any
 
 import attrs
+import torch
 
 from openprime.ckpt import Checkpoint, list_steps
 from openprime.core.config import to_dict
@@ -40,6 +41,7 @@ from openprime.train.checkpointing import checkpoint_root, newest_saved, parts_b
 from openprime.train.config import RunConfig
 from openprime.train.data import prepare_data
 from openprime.train.guard import Diverged
+from openprime.train.hardware import detect_device_type, device_blocks, least_used_block
 from openprime.train.metrics import RunSummary, summarize
 from openprime.train.trainer import run_node
 
@@ -230,14 +232,14 @@ def usable_cores() -> int:
 
 def node_main(cfg: RunConfig, node: int, coordinator: str, run_dir: pathlib.Path, num_threads: int,
               resume: Checkpoint | None = None, local_rank: int = 0,
-              local_rendezvous: Rendezvous | None = None) -> None:
+              local_rendezvous: Rendezvous | None = None, first_device: int = 0) -> None:
     """The body of one node process (one local rank): SIGTERM leaves gracefully (the deathrattle), errors exit 1."""
     for stop in STOP_SIGNALS:
         signal.signal(stop, _leave)
     install_stack_dump()
     try:
         run_node(cfg, node=node, coordinator=coordinator, run_dir=run_dir, num_threads=num_threads, resume=resume,
-                 local_rank=local_rank, local_rendezvous=local_rendezvous)
+                 local_rank=local_rank, local_rendezvous=local_rendezvous, first_device=first_device)
     except BaseException as e:
         where = f"node {node}" + (f" local rank {local_rank}" if cfg.fsdp.sharded else "")
         if isinstance(e, ConfigError | JoinRefused):  # the user's to fix, and the message says how: no traceback
@@ -272,6 +274,8 @@ class Launcher:
         # The local groups of the nodes started here meet in this process's store, each on its own prefix.
         self._local_store = host_store(timeout_s=cfg.timeouts.connect_s) if cfg.fsdp.sharded else None
         self.procs: dict[int, mp.process.BaseProcess] = {}  # node -> its local rank 0 (the one that speaks for it)
+        self.num_devices = torch.cuda.device_count() if detect_device_type() == "cuda" else 0
+        self.device_blocks: dict[int, int] = {}  # node -> the block of GPUs it computes on (hardware.device_blocks)
         self.local_procs: dict[int, list[mp.process.BaseProcess]] = {}  # node -> all its processes, by local rank
         self._watching = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="openprime-node-watchdog", daemon=True)
@@ -286,12 +290,15 @@ class Launcher:
         if self._local_store is not None:
             rendezvous = Rendezvous(host="127.0.0.1", port=self._local_store.port,
                                     group=f"{self.cfg.mesh.run_id}/node-{node}/local")
+        ranks = self.cfg.fsdp.num_local_ranks
+        live = [block for other, block in self.device_blocks.items() if self.procs[other].is_alive()]
+        self.device_blocks[node] = block = least_used_block(live, num_blocks=device_blocks(self.num_devices, ranks))
         procs = []
-        for local_rank in range(self.cfg.fsdp.num_local_ranks):
+        for local_rank in range(ranks):
             name = f"node-{node}" + (f"-rank-{local_rank}" if rendezvous else "")
             proc = NodeProcess(target=node_main, name=name,
                                args=(self.cfg, node, self.coordinator, self.run_dir, self.num_threads, resume,
-                                     local_rank, rendezvous))
+                                     local_rank, rendezvous, block * ranks))
             proc.start()
             procs.append(proc)
         self.procs[node], self.local_procs[node] = procs[0], procs
@@ -372,6 +379,10 @@ def launch(cfg: RunConfig, *, num_nodes: int, run_dir: pathlib.Path, coordinator
     start = time.monotonic()
     print(f"openprime: starting {num_nodes} node(s) of {cfg.name!r}; coordinator {launcher.coordinator}; "
           f"run directory {run_dir}" + (f"; resuming from {resume.path}" if resume else ""), flush=True)
+    ranks = cfg.fsdp.num_local_ranks
+    if launcher.num_devices and num_nodes > device_blocks(launcher.num_devices, ranks):
+        print(f"openprime: note: {num_nodes} nodes of {ranks} local rank(s) share this machine's "
+              f"{launcher.num_devices} GPU(s): each GPU holds the replicas and memory of several", flush=True)
     codes: dict[int, int] | None = None
     stopped_by = signal.SIGINT
     with _stopped_by_signals() as ignore_signals:

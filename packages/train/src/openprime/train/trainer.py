@@ -191,14 +191,16 @@ class Node:
     membership, data, checkpoints. A node of R local ranks runs R of these, one per process."""
 
     def __init__(self, cfg: RunConfig, *, node: int, coordinator: str, run_dir: pathlib.Path,
-                 resume: Checkpoint | None, local_rank: int = 0, local_rendezvous: Rendezvous | None = None) -> None:
+                 resume: Checkpoint | None, local_rank: int = 0, local_rendezvous: Rendezvous | None = None,
+                 first_device: int = 0) -> None:
         self.cfg, self.node, self.coordinator, self.run_dir = cfg, node, coordinator, run_dir
         self.local_rank, self.local_mesh = local_rank, None
         device_type = detect_device_type()
         check_local_ranks(cfg.fsdp, device_type=device_type,
                           local_world_size=cfg.fsdp.num_local_ranks if local_rendezvous is not None else 1)
-        # One GPU per local rank; on a machine without one, each local rank is a CPU process.
-        self.device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
+        # One GPU per local rank, from the node's first (openprime.train.hardware.device_blocks); on a machine
+        # without one, each local rank is a CPU process.
+        self.device = torch.device("cuda", first_device + local_rank) if device_type == "cuda" else torch.device("cpu")
         if device_type == "cuda":
             torch.cuda.set_device(self.device)
         if cfg.fsdp.sharded:
@@ -375,12 +377,12 @@ class Node:
 
 def run_node(cfg: RunConfig, *, node: int, coordinator: str, run_dir: pathlib.Path, num_threads: int = 1,
              resume: Checkpoint | None = None, local_rank: int = 0,
-             local_rendezvous: Rendezvous | None = None) -> NodeSummary:
+             local_rendezvous: Rendezvous | None = None, first_device: int = 0) -> NodeSummary:
     """Train one node (this process: one of its local ranks) to the end of the run or to
     train.stop_after_outer_steps; `resume`: continue from that checkpoint's node number `node`."""
     torch.set_num_threads(num_threads)
     n = Node(cfg, node=node, coordinator=coordinator, run_dir=run_dir, resume=resume, local_rank=local_rank,
-             local_rendezvous=local_rendezvous)
+             local_rendezvous=local_rendezvous, first_device=first_device)
     try:
         n.start(resume)
         counters, stop_at = n.counters, cfg.train.stop_after_outer_steps
