@@ -203,6 +203,13 @@ def test_check_hardware_on_cuda_only(ten_b, monkeypatch):
         check_hardware(ten_b, device_type="cuda")  # 36.2 GiB per GPU
     sizes[7] = 80 * GiB
     check_hardware(ten_b, device_type="cuda")
+    # Two nodes of 8 ranks on one machine of 8 GPUs would put both nodes' shares on every GPU (2 x 36.2 GiB fits
+    # 80; 3 x does not).
+    check_hardware(ten_b, num_nodes=2, device_type="cuda")
+    with pytest.raises(ConfigError, match=r"3 nodes of 8 local rank\(s\) on this machine's 8 GPU\(s\) put 3 nodes' "
+                                          r"shares on each GPU: 108.7 GiB, more than its 80 GiB. Start at most 2 "
+                                          r"node\(s\) here \(--nodes 2\)"):
+        check_hardware(ten_b, num_nodes=3, device_type="cuda")
     with pytest.raises(ConfigError, match="87.7 GiB more than its 80 GiB"):
         check_hardware(_evolve(ten_b, num_local_ranks=1), device_type="cuda")
     # Without CUDA nothing is checked: a CPU run's ranks are processes and its memory the host's.

@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             dry_run(cfg, args.nodes)
             return 0
-        check_hardware(cfg)  # on CUDA: enough GPUs for the local ranks, each large enough for its share
+        check_hardware(cfg, num_nodes=args.nodes)  # on CUDA: GPUs for the local ranks, large enough for the nodes
     except ConfigError as e:
         print(f"openprime: error: {e}", file=sys.stderr)
         return 2

@@ -19,7 +19,7 @@ import torch
 from openprime.core.errors import ConfigError
 from openprime.fsdp import FSDPConfig
 from openprime.train.config import RunConfig
-from openprime.train.planner import GPU, GPUS, check_fits
+from openprime.train.planner import GPU, GPUS, GiB, check_fits, gpu_bytes
 
 
 def detect_device_type() -> str:
@@ -78,13 +78,25 @@ def check_local_ranks(fsdp: FSDPConfig, *, device_type: str, local_world_size: i
                               f"more devices visible")
 
 
-def check_hardware(cfg: RunConfig, *, device_type: str | None = None) -> None:
-    """Before a run starts: on CUDA, enough GPUs for the local ranks, and each one large enough for its share.
+def check_hardware(cfg: RunConfig, *, num_nodes: int = 1, device_type: str | None = None) -> None:
+    """Before a run starts: on CUDA, enough GPUs for the local ranks, and each one large enough for its share, or
+    for the shares of the nodes that must share it when `num_nodes` nodes start on this machine.
 
     On CPU (no CUDA visible) nothing is checked: the ranks are processes and the memory is the host's.
     """
     device_type = device_type or detect_device_type()
     if device_type != "cuda":
         return
+    ranks = cfg.fsdp.num_local_ranks
     check_local_ranks(cfg.fsdp, device_type=device_type)
-    check_fits(cfg, visible_gpu(cfg.fsdp.num_local_ranks))
+    gpu = visible_gpu(ranks)
+    check_fits(cfg, gpu)
+    num_devices, one = torch.cuda.device_count(), gpu_bytes(cfg)
+    blocks = device_blocks(num_devices, ranks)
+    per_gpu = -(-num_nodes // blocks)
+    if per_gpu * one > gpu.memory_bytes:
+        most = blocks * int(gpu.memory_bytes // one)
+        raise ConfigError(f"{num_nodes} nodes of {ranks} local rank(s) on this machine's {num_devices} GPU(s) put "
+                          f"{per_gpu} nodes' shares on each GPU: {per_gpu * one / GiB:.1f} GiB, more than its "
+                          f"{gpu.memory_bytes / GiB:.0f} GiB. Start at most {most} node(s) here (--nodes {most}) and "
+                          f"the others on other machines (--join)")
