@@ -32,7 +32,7 @@ def _run_dir(tmp_path: pathlib.Path) -> pathlib.Path:
             for node in (0, 1):  # outer step 2: node 1's state differs
                 state = "aa" if step == 10 or node == 0 else "bb"
                 records.append({"kind": "outer", "node": node, "time": 1000.0 + step, "outer_step": step // 10,
-                                "state_hash": state, "skipped": False})
+                                "state_hash": state, "skipped": False, "bytes_sent": 0})
                 records.append({"kind": "checkpoint", "node": node, "time": 1000.0 + step, "step": step})
     records.append({"kind": "eval", "node": 0, "time": 1020.5, "step": 20, "val_loss": 6.25})
     records.append({"kind": "end", "node": 1, "time": 1021.0})

@@ -144,6 +144,11 @@ def checkpoint_root(cfg: CheckpointConfig, run_dir: pathlib.Path) -> pathlib.Pat
     return pathlib.Path(cfg.directory) if cfg.directory else run_dir / "checkpoints"
 
 
+def run_checkpoint_root(run_dir: pathlib.Path, resolved: dict[str, Any]) -> pathlib.Path:
+    """checkpoint_root of a run from the resolved config its config.json holds (`to_dict` of its RunConfig)."""
+    return pathlib.Path(resolved["checkpoint"]["directory"] or run_dir / "checkpoints")
+
+
 def node_checkpointer(cfg: CheckpointConfig, run_dir: pathlib.Path, part: str) -> Checkpointer:
     return Checkpointer(checkpoint_root(cfg, run_dir), part=part, mode=cfg.mode, num_keep=cfg.num_keep)
 
@@ -323,8 +328,8 @@ def load_model_weights(source: pathlib.Path) -> tuple[ModelConfig, dict[str, tor
     if (source / "state.json").is_file():
         return _model_weights(source)
     if (source / "config.json").is_file() and (source / "checkpoints").is_dir():
-        run_cfg = json.loads((source / "config.json").read_text())["config"]
-        root, steps = pathlib.Path(run_cfg["checkpoint"]["directory"] or source / "checkpoints"), None
+        resolved = json.loads((source / "config.json").read_text())["config"]
+        root, steps = run_checkpoint_root(source, resolved), None
     elif STEP_RE.match(source.name) and source.is_dir():
         root, steps = source.parent, [int(STEP_RE.match(source.name).group(1))]
     elif source.is_dir():

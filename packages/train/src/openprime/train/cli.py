@@ -105,8 +105,7 @@ def print_plan(args: argparse.Namespace) -> int:
         plan = planner.plan_run(cfg, num_nodes=args.nodes, bandwidth_bps=planner.parse_bandwidth(args.bandwidth),
                                 gpus_per_node=args.gpus_per_node, gpu=args.gpu, mfu=mfu)
     except ConfigError as e:
-        print(f"openprime: error: {e}", file=sys.stderr)
-        return 2
+        return _error(str(e))
     print(f"plan of {cfg.name!r} ({args.recipe})\n{planner.format_plan(plan)}")
     if not plan.fits:
         try:
@@ -164,8 +163,7 @@ def serve_mesh(args: argparse.Namespace) -> int:
         check_join_address(bind, "--bind")
         coordinator = Coordinator(cfg, bind=bind, store_port=args.store_port)
     except ConfigError as e:
-        print(f"openprime: error: {e}", file=sys.stderr)
-        return 2
+        return _error(str(e))
     host, port = coordinator.address.split("://")[-1].rsplit(":", 1)
     store_port = coordinator.store.rsplit(":", 1)[1]
     where = ""
@@ -294,8 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         check_hardware(cfg, num_nodes=args.nodes)  # on CUDA: GPUs for the local ranks, large enough for the nodes
     except ConfigError as e:
-        print(f"openprime: error: {e}", file=sys.stderr)
-        return 2
+        return _error(str(e))
 
     run_dir = (args.run_dir or pathlib.Path("runs")).resolve()  # what an error names until the run's is made
     try:  # the lock is held until the nodes have stopped
@@ -317,9 +314,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _unwritable(run_dir: pathlib.Path, e: OSError) -> int:
-    print(f"openprime: error: cannot write the run directory {run_dir}: {e.strerror or e} "
-          f"({e.filename or run_dir}); choose another with --run-dir", file=sys.stderr)
-    return 2
+    return _error(f"cannot write the run directory {run_dir}: {e.strerror or e} ({e.filename or run_dir}); choose "
+                  f"another with --run-dir")
 
 
 def _start(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path, overrides: list[str], *,
@@ -336,8 +332,7 @@ def _start(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path, over
             if resume.step >= cfg.train.num_steps:
                 return _nothing_to_train(resume, cfg.train.num_steps, run_dir)
     except OpenPrimeError as e:
-        print(f"openprime: error: {e}", file=sys.stderr)
-        return 2
+        return _error(str(e))
     try:
         write_run_files(run_dir, cfg, recipe=args.recipe.resolve(), recipe_files=loaded_recipe_files(),
                         overrides=overrides, num_nodes=args.nodes, resumed_from=resume.path if resume else None)

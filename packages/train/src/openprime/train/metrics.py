@@ -186,7 +186,10 @@ def read_records(run_dir: pathlib.Path) -> list[dict[str, Any]]:
 
 
 def summarize(run_dir: pathlib.Path) -> RunSummary:
-    records = read_records(run_dir)
+    return summarize_records(read_records(run_dir))
+
+
+def summarize_records(records: list[dict[str, Any]]) -> RunSummary:
     losses: dict[int, list[float]] = defaultdict(list)
     hashes: dict[int, dict[int, str]] = defaultdict(dict)
     sent: dict[int, int] = defaultdict(int)

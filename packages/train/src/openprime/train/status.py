@@ -21,8 +21,8 @@ import attrs
 
 from openprime.ckpt import list_steps
 from openprime.core.errors import ConfigError
-from openprime.train.checkpointing import newest_saved
-from openprime.train.metrics import METRICS_FILE, read_records
+from openprime.train.checkpointing import newest_saved, run_checkpoint_root
+from openprime.train.metrics import METRICS_FILE, read_records, summarize_records
 from openprime.train.run_lock import LOCK_NAME
 
 
@@ -76,33 +76,32 @@ def run_status(run_dir: pathlib.Path, *, now: float | None = None) -> RunStatus:
     resolved = json.loads((run_dir / "config.json").read_text())["config"]
     records = read_records(run_dir) if (run_dir / METRICS_FILE).exists() else []
     now = time.time() if now is None else now
+    summary = summarize_records(records)
     last: dict[int, dict[str, Any]] = {}
     last_step: dict[int, dict[str, Any]] = {}
-    ended, skipped, attempted = set(), {}, set()
-    outer: dict[int, dict[int, str]] = {}
+    ended, attempted = set(), set()
     val_loss = None
     for r in records:
         node = r["node"]
         last[node] = r
         if r["kind"] == "step":
             last_step[node] = r
-            skipped[node] = skipped.get(node, 0) + bool(r.get("skipped"))
         elif r["kind"] == "end":
             ended.add(node)
         elif r["kind"] == "start":
             ended.discard(node)
-        elif r["kind"] == "outer" and not r.get("skipped"):
-            outer.setdefault(r["outer_step"], {})[node] = r["state_hash"]
         elif r["kind"] == "eval":
             val_loss = (r["step"], r["val_loss"])
         elif r["kind"] == "checkpoint":
             attempted.add(r["step"])
     nodes = [NodeStatus(node=node, step=last_step[node]["step"] if node in last_step else 0,
                         loss=last_step[node]["loss"] if node in last_step else float("nan"),
-                        seconds_ago=now - r["time"], ended=node in ended, num_skipped=skipped.get(node, 0))
+                        seconds_ago=now - r["time"], ended=node in ended,
+                        num_skipped=summary.num_skipped.get(node, 0))
              for node, r in sorted(last.items())]
+    outer = summary.hashes  # outer step -> node -> global-state hash
     newest = max(outer, default=None)
-    root = pathlib.Path(resolved["checkpoint"]["directory"] or run_dir / "checkpoints")
+    root = run_checkpoint_root(run_dir, resolved)
     saved = newest_saved(root)
     return RunStatus(name=resolved["name"], num_steps=resolved["train"]["num_steps"], launch=_launch(run_dir),
                      nodes=nodes, outer_step=newest, members=len(outer[newest]) if newest is not None else None,
