@@ -15,16 +15,18 @@ What it measures (every number a median over repetitions; the first repetition i
    over each transport (gloo, tcp, zmq): the donor's `send_state` of what a joiner takes in live recovery
    (DiLoCo's theta and momentum, shared; the donor's AdamW state, its own) and the joiner's
    `StateFetch.fetch`, timed together (the slower rank counting), beside the transport's point-to-point
-   ceiling: one `transport.send` of a single buffer of the same total size. The ratio (state transfer
-   throughput / point-to-point throughput, per repetition) has a target of 0.80. Two more rows help to
-   read it: the same transfer with the chunk checksum replaced by a constant on both sides ("no checksum",
-   the benchmark patches `state_transfer._checksum` in its own processes), which tells its cost apart
-   from the protocol's, and the raw-socket ceiling of tools/bench_transports.py (plain `sendall` /
-   `recv_into`). The joiner receives into tensors allocated in the warm-up, as the point-to-point row
-   receives into a preallocated buffer (DiLoCo's joiner does so for theta and momentum, not for the
-   AdamW state), so that page faults of fresh allocations are not counted. Each row also reports the CPU
-   seconds the donor and the joiner spent (all threads, user and system): on a machine whose cores are
-   all busy, as this 2-core one is, the rows' throughputs follow their CPU costs.
+   ceiling: one `transport.send` of a single buffer of the same total size. The donor's offer carries the
+   piece digests of its state hash, as DiLoCo's does after an outer step, so it reads its theta and
+   momentum only to send them; the joiner checks every chunk, and the whole state against the offer's hash
+   from the same digests. The ratio (state transfer throughput / point-to-point throughput, per repetition)
+   has a target of 0.80. Two more rows help to read it: the same transfer with every piece digest replaced
+   by 0 on both sides ("no checksum", the benchmark patches `state_transfer._digests` in its own
+   processes), which tells the checksums' cost apart from the protocol's, and the raw-socket ceiling of
+   tools/bench_transports.py (plain `sendall` / `recv_into`). The joiner receives into tensors allocated in
+   the warm-up, as the point-to-point row receives into a preallocated buffer (DiLoCo's joiner does so for
+   theta and momentum, not for the AdamW state), so that page faults of fresh allocations are not counted.
+   Each row also reports the CPU seconds the donor and the joiner spent (all threads, user and system): on
+   a machine whose cores are all busy, as this 2-core one is, the rows' throughputs follow their CPU costs.
 
 3. The same live transfer and point-to-point rows over tcp and zmq with every link shaped to --rate-gbps
    (default 1 Gbit/s, `LinkShaping`; gloo cannot shape): there the network is the bottleneck, as on the
@@ -56,6 +58,7 @@ import tempfile
 import time
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
@@ -64,11 +67,12 @@ import bench_transports as bt  # noqa: E402
 
 from openprime.ckpt import Checkpointer, SaveMode  # noqa: E402
 from openprime.ckpt.state import flatten  # noqa: E402
-from openprime.core import state_transfer  # noqa: E402
+from openprime.core import digest, state_transfer  # noqa: E402
 from openprime.core.shaping import LinkShaping  # noqa: E402
 from openprime.core.state_transfer import StateFetch, StateOffer, send_state  # noqa: E402
 from openprime.core.testing import GroupContext, local_group, run_group  # noqa: E402
 from openprime.core.timeouts import Timeouts  # noqa: E402
+from openprime.core.transport import as_bytes  # noqa: E402
 from openprime.diloco import DiLoCo, DiLoCoConfig  # noqa: E402
 from openprime.train.model import FLAVORS, Llama, ModelConfig, count_parameters  # noqa: E402
 
@@ -99,11 +103,18 @@ def saved_state(model: Llama, opt: torch.optim.Optimizer, diloco: DiLoCo) -> dic
             "diloco": diloco.state_dict(), "rng": {"torch": torch.get_rng_state()}}
 
 
-def state_offer(model: Llama, opt: torch.optim.Optimizer, diloco: DiLoCo) -> StateOffer:
-    """What a donor offers in live recovery (as openprime.diloco.recovery builds it)."""
+def state_offer(model: Llama, opt: torch.optim.Optimizer, diloco: DiLoCo, *, checksums: bool = True) -> StateOffer:
+    """What a donor offers in live recovery (as openprime.diloco.recovery builds it: with the piece digests of
+    its state hash, computed at the outer step). Without `checksums`, for the "no checksum" row: every digest
+    is 0 (as `_without_checksum` makes them) and so is the state hash's."""
     own, _ = flatten(get_optimizer_state_dict(model, opt))
-    return StateOffer(step=1, origin="donor", state_hash=diloco.state.state_hash(),
-                      shared={"theta": diloco.state.theta, "momentum": diloco.state.momentum}, own=own)
+    shared = {"theta": diloco.state.theta, "momentum": diloco.state.momentum}
+    if not checksums:
+        zeros = _zero_digests([as_bytes(t) for t in shared.values()], digest.PIECE_BYTES)
+        return StateOffer(step=1, origin="donor", state_hash=digest.combine(zeros), shared=shared, own=own)
+    state_hash = diloco.state.state_hash()
+    return StateOffer(step=1, origin="donor", state_hash=state_hash, shared=shared, own=own,
+                      shared_digests=diloco.state.shared_digests())
 
 
 def tensor_bytes(state: Any) -> int:
@@ -179,6 +190,7 @@ def body_transfer(_transport, ctx: GroupContext, factories: dict[str, Any], cfg:
     if ctx.rank == 0:
         model, opt, diloco = build_node(cfg)
         offer = state_offer(model, opt, diloco)
+        offer_unchecked = state_offer(model, opt, diloco, checksums=False)
         nbytes = offer.layout.total
         barrier.store.set("state_bytes", str(nbytes))
         buffer = torch.ones(nbytes, dtype=torch.uint8)
@@ -196,11 +208,12 @@ def body_transfer(_transport, ctx: GroupContext, factories: dict[str, Any], cfg:
             continue
         if ctx.rank == 0:
             transfer = functools.partial(_donate, endpoint, offer, op_timeout_s)
+            unchecked = functools.partial(_donate, endpoint, offer_unchecked, op_timeout_s)
         else:
-            transfer = functools.partial(_join, endpoint, targets, op_timeout_s)
+            transfer = unchecked = functools.partial(_join, endpoint, targets, op_timeout_s)
         ops[f"{name}|{STATE}"] = bt.Op(run=transfer)
         if not shaped:
-            ops[f"{name}|{NO_CHECKSUM}"] = bt.Op(run=functools.partial(_without_checksum, transfer))
+            ops[f"{name}|{NO_CHECKSUM}"] = bt.Op(run=functools.partial(_without_checksum, unchecked))
     row_errors = {f"{name}|{row}": error for name, error in errors.items() for row in (P2P, STATE, NO_CHECKSUM)}
     cpu: dict[str, list[float]] = {key: [] for key in ops}
     ops = {key: bt.Op(run=functools.partial(_cpu_timed, cpu[key], op.run)) for key, op in ops.items()}
@@ -230,13 +243,17 @@ def _join(transport, targets: dict[str, torch.Tensor], timeout_s: float) -> None
     targets.update(fetch.tensors)
 
 
+def _zero_digests(views, piece_bytes: int) -> np.ndarray:
+    return np.zeros(-(-sum(v.numel() for v in views) // piece_bytes), dtype=np.uint64)
+
+
 def _without_checksum(transfer) -> None:
-    checksum = state_transfer._checksum
-    state_transfer._checksum = lambda views: 0
+    digests = state_transfer._digests
+    state_transfer._digests = _zero_digests
     try:
         transfer()
     finally:
-        state_transfer._checksum = checksum
+        state_transfer._digests = digests
 
 
 def measure_transfer(opts, factories: dict[str, Any], cfg: ModelConfig, label: str,
@@ -332,15 +349,15 @@ def cpu_text(cpu: dict[str, float], name: str, rows: tuple[str, ...]) -> str:
 
 
 def checksum_rate(nbytes: int = 512 << 20, reps: int = 3) -> float:
-    """GB/s of state_transfer's chunk checksum on one core over a buffer far larger than the caches, chunk by
-    chunk as state_transfer does."""
+    """GB/s of state_transfer's chunk digests (XXH3-64 of its 1 MiB pieces) on one core over a buffer far larger
+    than the caches, chunk by chunk as state_transfer does."""
     data = torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(0)).view(torch.uint8).numpy()
     step = state_transfer.CHUNK_BYTES
     best = float("inf")
     for _ in range(reps):
         start = time.perf_counter()
         for i in range(0, nbytes, step):
-            state_transfer._checksum([torch.from_numpy(data[i:i + step])])
+            state_transfer._digests([torch.from_numpy(data[i:i + step])], digest.PIECE_BYTES)
         best = min(best, time.perf_counter() - start)
     return nbytes / best / 1e9
 

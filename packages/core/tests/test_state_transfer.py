@@ -8,10 +8,10 @@ from collections.abc import Sequence
 import pytest
 import torch
 
+from openprime.core import digest
 from openprime.core.errors import PeerFailure
 from openprime.core.state_transfer import (
     CHUNK_BYTES,
-    MIN_CHUNK_BYTES,
     TAG_STATE,
     StateCorrupt,
     StateFetch,
@@ -20,9 +20,9 @@ from openprime.core.state_transfer import (
     send_state,
 )
 from openprime.core.testing import local_group, run_threads
-from openprime.core.transport import Handle, Transport
+from openprime.core.transport import Handle, Transport, as_bytes
 
-CHUNK = 1000  # bytes: small, so that chunks span tensor boundaries
+CHUNK, PIECE = 1000, 500  # bytes: small, so that chunks and pieces span tensor boundaries
 
 
 def shared_state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -36,9 +36,14 @@ def own_state(seed: int) -> dict[str, torch.Tensor]:
             "position": torch.arange(5, dtype=torch.int64) * seed}
 
 
+def state_hash(shared: dict[str, torch.Tensor]) -> str:
+    return digest.region_hash([as_bytes(t) for t in shared.values()], piece_bytes=PIECE)
+
+
 def offer(origin: str, seed: int, **kw) -> StateOffer:
-    return StateOffer(step=3, origin=origin, state_hash="h3", shared=shared_state(), own=own_state(seed),
-                      meta={"num_inner_steps_done": 60}, chunk_bytes=CHUNK, **kw)
+    kw = {"state_hash": state_hash(shared_state()), **kw}
+    return StateOffer(step=3, origin=origin, shared=shared_state(), own=own_state(seed),
+                      meta={"num_inner_steps_done": 60}, chunk_bytes=CHUNK, piece_bytes=PIECE, **kw)
 
 
 class DiesAfter(Transport):
@@ -77,8 +82,10 @@ def test_a_transfer_delivers_every_tensor_into_place():
     assert fetch.tensors["theta"] is theta_target  # received in place, no copy
     for name, t in {**shared_state(), **own_state(1)}.items():
         assert torch.equal(fetch.tensors[name], t), name
+    # Shared bytes (8800) and own bytes (2444) are each cut from their own start: 9 + 3 chunks.
     total = sum(t.numel() * t.element_size() for t in {**shared_state(), **own_state(1)}.values())
-    assert report.num_bytes == total and report.num_chunks == -(-total // CHUNK) == fetch.num_chunks_fetched
+    assert report.num_bytes == total and report.num_chunks == 9 + 3 == fetch.num_chunks_fetched
+    assert digest.combine(fetch.shared_digests()) == state_hash(shared_state())
 
 
 def test_a_dead_donor_is_replaced_and_only_the_missing_chunks_travel():
@@ -120,7 +127,8 @@ def test_later_asks_for_nothing_now_and_a_new_step_starts_over():
     report, complete = run_threads([lambda: send_state(donor_t, 1, offer("A", 1), deadline=deadline),
                                     lambda: fetch.fetch(joiner_t, 0, deadline=deadline, later=True)])
     assert report.later and report.num_chunks == 0 and not complete
-    newer = StateOffer(step=4, origin="A", state_hash="h4", shared=shared_state(5), chunk_bytes=CHUNK)
+    newer = StateOffer(step=4, origin="A", state_hash=state_hash(shared_state(5)), shared=shared_state(5),
+                       chunk_bytes=CHUNK, piece_bytes=PIECE)
     run_threads([lambda: send_state(donor_t, 1, newer, deadline=deadline),
                  lambda: fetch.fetch(joiner_t, 0, deadline=deadline)])
     assert fetch.complete and fetch.step == 4 and set(fetch.tensors) == {"theta", "momentum"}
@@ -138,15 +146,50 @@ def test_an_offer_that_is_not_the_agreed_state_is_refused():
             fetch.fetch(joiner_t, 0, deadline=deadline, expected_hash="h-agreed")
         outcome["refused"] = True
 
-    report, _ = run_threads([lambda: send_state(donor_t, 1, offer("A", 1), deadline=deadline), joiner])
+    report, _ = run_threads([lambda: send_state(donor_t, 1, offer("A", 1, state_hash="h3"), deadline=deadline), joiner])
     assert outcome["refused"] and report.num_chunks == 0 and not fetch.received  # the donor was not left waiting
 
 
 def test_a_small_state_is_cut_into_several_chunks_and_a_large_one_into_chunks_of_chunk_bytes():
-    # The debug model's state (29.4 MB) in 8 chunks of 3,674,112 bytes (a multiple of 4 KiB), not in one.
-    assert default_chunk_bytes(29_386_248) == 3_674_112 == 897 * 4096
-    assert -(-29_386_248 // default_chunk_bytes(29_386_248)) == 8
+    # The debug model's state (29.4 MB): chunks of 4 MiB (whole 1 MiB pieces), 8 of them, not one.
+    assert default_chunk_bytes(29_386_248) == 4 << 20
     assert default_chunk_bytes(1_610_000_000) == CHUNK_BYTES
-    assert default_chunk_bytes(5000) == MIN_CHUNK_BYTES
+    assert default_chunk_bytes(5000) == digest.PIECE_BYTES
     big = StateOffer(step=1, origin="A", state_hash="h", shared={"theta": torch.zeros(3 << 20)})  # 12 MiB
-    assert big.header["chunk_bytes"] == 3 << 19 and big.layout.num_chunks == 8
+    assert big.header["chunk_bytes"] == 2 << 20 and big.layout.num_chunks == 6
+
+
+def test_a_whole_state_that_is_not_the_offered_one_is_fetched_again():
+    """Every chunk matches the checksum the donor sent, but the shared tensors are not the state the offer names
+    (a donor whose state changed under its hash): the fetch checks the whole against the offer's hash."""
+    donor_t, joiner_t = local_group(2)
+    fetch = StateFetch()
+    deadline = time.monotonic() + 30
+    wrong = offer("A", 1, state_hash=state_hash(shared_state(9)))
+    run_threads([lambda: send_state(donor_t, 1, wrong, deadline=deadline),
+                 lambda: fetch.fetch(joiner_t, 0, deadline=deadline)])
+    assert fetch.num_chunks_fetched == wrong.layout.num_chunks and fetch.num_corrupt == 1
+    assert not fetch.complete and not fetch.received  # all of it is fetched again from the next offer
+    report, complete = run_threads([lambda: send_state(donor_t, 1, offer("A", 1), deadline=deadline),
+                                    lambda: fetch.fetch(joiner_t, 0, deadline=deadline)])
+    assert complete and report.num_chunks == wrong.layout.num_chunks and fetch.num_corrupt == 1
+
+
+def test_a_donor_sends_the_digests_it_hashed_its_state_with_and_stale_ones_are_caught():
+    shared = shared_state()
+    digests = digest.piece_digests([as_bytes(t) for t in shared.values()], piece_bytes=PIECE)
+    assert len(digests) == -(-8800 // PIECE)
+    with pytest.raises(ValueError, match="has 3 digests where the shared tensors have 18 pieces of 500 bytes"):
+        offer("A", 1, shared_digests=digests[:3])
+    donor_t, joiner_t = local_group(2)
+    deadline = time.monotonic() + 30
+    fetch = StateFetch()
+    _, complete = run_threads([lambda: send_state(donor_t, 1, offer("A", 1, shared_digests=digests), deadline=deadline),
+                               lambda: fetch.fetch(joiner_t, 0, deadline=deadline)])
+    assert complete and fetch.num_corrupt == 0 and (fetch.shared_digests() == digests).all()
+    stale = digests.copy()
+    stale[4] ^= 1  # the digests of a state the donor has since changed: chunk 2 holds piece 4
+    fetch = StateFetch()
+    run_threads([lambda: send_state(donor_t, 1, offer("A", 1, shared_digests=stale), deadline=deadline),
+                 lambda: fetch.fetch(joiner_t, 0, deadline=deadline)])
+    assert fetch.num_corrupt == 1 and fetch.received == set(range(12)) - {2}

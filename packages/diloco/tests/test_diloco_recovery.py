@@ -12,10 +12,13 @@ import threading
 import pytest
 import torch
 
+from openprime.core import digest
 from openprime.core.membership import Membership, Round
 from openprime.core.testing import local_group, run_threads
 from openprime.core.timeouts import Timeouts
-from openprime.diloco import DiLoCo, DiLoCoConfig, ExtraState, RecoveryMode
+from openprime.core.transport import as_bytes
+from openprime.diloco import DiLoCo, DiLoCoConfig, ExtraState, OuterOptimizer, RecoveryMode
+from openprime.diloco.outer import OuterState, outer_update_
 
 
 class Admits(Membership):
@@ -83,6 +86,10 @@ def test_a_joiner_ends_its_first_outer_step_identical(mode):
     assert results[2].received_state and extras[2].loaded_meta == {"betas": [0.9, 0.95]}
     assert torch.equal(extras[2].tensors["exp_avg"], torch.full((5, 3), 1.0))  # the donor's (replica 0's)
     assert dilocos[2].num_outer_steps_done == 3
+    # Every replica keeps the piece digests of its state's hash (the joiner: those it checked what arrived
+    # with), ready to be sent as a donor's chunk checksums.
+    kept = [d.state.shared_digests() for d in dilocos]
+    assert all(k is not None and (k == kept[0]).all() for k in kept)
     if mode is RecoveryMode.BLOCKING:
         assert len({r.state_hash for r in results}) == 1 and not dilocos[2].behind
         assert torch.equal(params[2].detach(), params[0].detach())
@@ -98,3 +105,16 @@ def test_a_joiner_ends_its_first_outer_step_identical(mode):
         nxt = run_threads([lambda: member(0), lambda: member(1), dilocos[2].sit_out])
         assert len({r.state_hash for r in nxt}) == 1 and [r.num_contributors for r in nxt] == [2, 2, 2]
         assert dilocos[2].num_inner_steps_done == 20 and dilocos[2].num_outer_steps_done == 4
+
+
+def test_the_state_hash_keeps_its_piece_digests_until_theta_or_momentum_are_written():
+    state = OuterState([torch.nn.Parameter(torch.randn(700_000, generator=torch.Generator().manual_seed(1)))])
+    h = state.state_hash()
+    assert h == digest.region_hash([as_bytes(state.theta), as_bytes(state.momentum)])  # 6 pieces of 1 MiB
+    assert digest.combine(state.shared_digests()) == h and len(state.shared_digests()) == 6
+    outer_update_(state.theta, state.momentum, torch.ones(700_000), lr=0.7, mu=0.9,
+                  optimizer=OuterOptimizer.NESTEROV)
+    assert state.shared_digests() is None  # a donor would read its state for the checksums
+    assert state.state_hash() != h and state.shared_digests() is not None
+    state.theta[:10].copy_(torch.zeros(10))  # through a view: views share the version counter
+    assert state.shared_digests() is None

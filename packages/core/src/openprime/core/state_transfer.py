@@ -13,14 +13,20 @@ Transport between the donor and the joiner:
 2. joiner -> donor, tag TAG_STATE_WANT: the chunks it still needs (msgpack list), and whether it wants
    the rest later (the non-blocking mode of openprime.diloco).
 3. donor -> joiner, tag TAG_STATE: each wanted chunk, in order: an (index, checksum) header and the
-   chunk's bytes, received straight into the joiner's tensors, two chunks in flight so that the
-   checksums overlap the transfer. The checksum is XXH3-64 (xxhash): about 13 GB/s per core here,
-   where zlib's CRC-32 managed 2.4 GB/s and two passes of it (donor and joiner) cost more CPU than the
-   loopback transfer itself; it catches corruption, not forgery (authentication is the transport's).
-   The joiner checks every chunk; a chunk that fails
-   is logged and left missing (the transfer still reads every chunk, so the tags stay in step), to be
-   fetched again from the next offer. At the end the caller checks the whole-state hash against the
-   mesh's.
+   chunk's bytes, received straight into the joiner's tensors, IN_FLIGHT chunks in flight so that the
+   checksums overlap the transfer. The checksum is made of the XXH3-64 digests of the chunk's 1 MiB pieces
+   (openprime.core.digest: about 13-25 GB/s per core here, where zlib's CRC-32 managed 2.4 GB/s); it
+   catches corruption, not forgery (authentication is the transport's). The joiner checks every chunk; a
+   chunk that fails is logged and left missing (the transfer still reads every chunk, so the tags stay in
+   step), to be fetched again from the next offer.
+4. Once every chunk is in, the joiner checks the whole shared state against the offer's state hash (the
+   one the mesh agreed on, which the caller may have checked the offer against): the hash is made of the
+   same piece digests (`digest.combine`), so this reads nothing again. A mismatch starts the fetch over.
+
+The chunks: the shared bytes and the own bytes are each cut into chunks of `chunk_bytes` (whole pieces)
+from their own start, so a shared chunk's pieces are pieces of the shared state's hash. A donor that
+hashed its shared state at the outer step passes those digests (`shared_digests`) and reads its shared
+tensors only to send them.
 
 A joiner keeps what it received in a `StateFetch` across donors: if its donor dies mid-transfer, the
 next donor's offer for the same step lets it keep every chunk of shared tensors and fetch only the
@@ -37,9 +43,10 @@ from typing import Any
 
 import attrs
 import msgpack
+import numpy as np
 import torch
-import xxhash
 
+from openprime.core import digest
 from openprime.core.errors import OpenPrimeError
 from openprime.core.transport import Handle, Transport, as_bytes
 
@@ -49,7 +56,6 @@ TAG_STATE_OFFER = 6
 TAG_STATE_WANT = 7
 CHUNK_BYTES = 64 << 20  # large enough to stream at full rate; a broken transfer loses at most this much
 MIN_CHUNKS = 8  # a smaller state is cut finer: a donor lost mid-transfer then costs at most 1/8 of it
-MIN_CHUNK_BYTES = 1 << 20
 IN_FLIGHT = 3  # chunks posted ahead on each side (64 MiB x 2: tcp 0.67, x 3: 0.72 of p2p on loopback)
 
 
@@ -86,62 +92,87 @@ def _dtype(name: str) -> torch.dtype:
 class StateOffer:
     """What a donor offers: named tensors (contiguous CPU) of one outer step, plus JSON-able metadata.
 
-    The tensors must not change while they are being sent (the caller sends a snapshot, or sends between
-    outer steps when nothing writes them).
+    `state_hash` is `digest.combine` of the shared tensors' piece digests (`piece_bytes` pieces of their
+    bytes in order); `shared_digests`, if the donor has them (computed with that hash), spare it reading
+    the shared tensors for their checksums. The tensors must not change while they are being sent (the
+    caller sends a snapshot, or sends between outer steps when nothing writes them).
     """
 
     def __init__(self, *, step: int, origin: str, state_hash: str, shared: Mapping[str, torch.Tensor],
                  own: Mapping[str, torch.Tensor] | None = None, meta: Mapping[str, Any] | None = None,
-                 chunk_bytes: int | None = None) -> None:
+                 chunk_bytes: int | None = None, piece_bytes: int = digest.PIECE_BYTES,
+                 shared_digests: np.ndarray | None = None) -> None:
         self.tensors = {**shared, **(own or {})}
         if len(self.tensors) != len(shared) + len(own or {}):
             raise ValueError("a tensor name is both shared and own")
         self.specs = [TensorSpec(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), name in shared)
                       for name, t in self.tensors.items()]
         if chunk_bytes is None:
-            chunk_bytes = default_chunk_bytes(sum(s.num_bytes for s in self.specs))
+            chunk_bytes = default_chunk_bytes(sum(s.num_bytes for s in self.specs), piece_bytes)
         self.header = {"step": step, "origin": origin, "state_hash": state_hash, "meta": dict(meta or {}),
-                       "chunk_bytes": chunk_bytes, "tensors": [attrs.astuple(s) for s in self.specs]}
-        self.layout = _Layout(self.specs, chunk_bytes)
+                       "chunk_bytes": chunk_bytes, "piece_bytes": piece_bytes,
+                       "tensors": [attrs.astuple(s) for s in self.specs]}
+        self.layout = _Layout(self.specs, chunk_bytes, piece_bytes)
+        if shared_digests is not None and len(shared_digests) != self.layout.num_shared_pieces:
+            raise ValueError(f"shared_digests has {len(shared_digests)} digests where the shared tensors have "
+                             f"{self.layout.num_shared_pieces} pieces of {piece_bytes} bytes")
+        self.shared_digests = shared_digests
         self._views = [as_bytes(t) for t in self.tensors.values()]
 
     def chunk_views(self, index: int) -> list[torch.Tensor]:
         return self.layout.views(self._views, index)
 
+    def chunk_digests(self, index: int) -> np.ndarray:
+        """The digests of chunk `index`'s pieces: from `shared_digests` where they are known, else read."""
+        if self.shared_digests is not None and self.layout.is_shared(index):
+            return self.shared_digests[self.layout.shared_pieces(index)]
+        return _digests(self.chunk_views(index), self.layout.piece_bytes)
 
-def default_chunk_bytes(total: int) -> int:
-    """CHUNK_BYTES, or for a state under MIN_CHUNKS of them, total / MIN_CHUNKS (at least MIN_CHUNK_BYTES, a
-    multiple of 4 KiB). The debug model's 29 MB state used to travel as one chunk, so a donor that died during it
-    cost the joiner all of it. On loopback its throughput did not change (it is bound by round trips there);
-    for large states smaller chunks are slower (measured, 1.6 GB over tcp: 4-16 MiB chunks 0.63-1.18 s, 64-256
-    MiB 0.57-0.62 s)."""
+
+def default_chunk_bytes(total: int, piece_bytes: int = digest.PIECE_BYTES) -> int:
+    """CHUNK_BYTES, or for a state under MIN_CHUNKS of them, total / MIN_CHUNKS, in whole pieces (at least one).
+    The debug model's 29 MB state used to travel as one chunk, so a donor that died during it cost the joiner
+    all of it. On loopback its throughput did not change (it is bound by round trips there); for large states
+    smaller chunks are slower (measured, 1.6 GB over tcp: 4-16 MiB chunks 0.63-1.18 s, 64-256 MiB 0.57-0.62 s)."""
     share = -(-total // MIN_CHUNKS)
-    return min(CHUNK_BYTES, max(MIN_CHUNK_BYTES, -(-share // 4096) * 4096))
+    pieces = max(1, -(-min(CHUNK_BYTES, share) // piece_bytes))
+    return pieces * piece_bytes
 
 
 class _Layout:
-    """Chunk i is bytes [i*C, (i+1)*C) of the tensors' concatenated bytes, as views that never copy."""
+    """The shared bytes [0, S) and then the own bytes [S, total) of the tensors' concatenation, each cut into
+    chunks of `chunk_bytes` (whole pieces of `piece_bytes`) from its own start; views that never copy."""
 
-    def __init__(self, specs: Sequence[TensorSpec], chunk_bytes: int) -> None:
-        if chunk_bytes < 1:
-            raise StateCorrupt(f"chunk_bytes {chunk_bytes} must be positive")
-        self.chunk_bytes = chunk_bytes
+    def __init__(self, specs: Sequence[TensorSpec], chunk_bytes: int, piece_bytes: int) -> None:
+        if piece_bytes < 1 or chunk_bytes < 1 or chunk_bytes % piece_bytes:
+            raise StateCorrupt(f"chunk_bytes {chunk_bytes} must be a positive multiple of piece_bytes {piece_bytes}")
+        self.chunk_bytes, self.piece_bytes = chunk_bytes, piece_bytes
         self.starts = [0]
         for s in specs:
             self.starts.append(self.starts[-1] + s.num_bytes)
         self.total = self.starts[-1]
-        self.num_chunks = -(-self.total // chunk_bytes)
         # Bytes [0, shared_end) belong to shared tensors: offers list them first.
         shared = [s.shared for s in specs]
         if shared != sorted(shared, reverse=True):
             raise StateCorrupt("an offer must list its shared tensors first")
         self.shared_end = self.starts[sum(shared)]
+        self.num_shared_pieces = -(-self.shared_end // piece_bytes)
+        self.bounds = [(lo, min(lo + chunk_bytes, end)) for start, end in ((0, self.shared_end),
+                                                                           (self.shared_end, self.total))
+                       for lo in range(start, end, chunk_bytes)]
+        self.num_shared_chunks = -(-self.shared_end // chunk_bytes)
+        self.num_chunks = len(self.bounds)
 
     def is_shared(self, index: int) -> bool:
-        return min((index + 1) * self.chunk_bytes, self.total) <= self.shared_end
+        return index < self.num_shared_chunks
+
+    def shared_pieces(self, index: int) -> slice:
+        """The shared chunk `index`'s pieces among the shared state's pieces."""
+        lo, hi = self.bounds[index]
+        return slice(lo // self.piece_bytes, -(-hi // self.piece_bytes))
 
     def views(self, tensor_views: Sequence[torch.Tensor], index: int) -> list[torch.Tensor]:
-        lo, hi = index * self.chunk_bytes, min((index + 1) * self.chunk_bytes, self.total)
+        lo, hi = self.bounds[index]
         out = []
         for i, view in enumerate(tensor_views):
             a, b = max(lo, self.starts[i]), min(hi, self.starts[i + 1])
@@ -150,13 +181,9 @@ class _Layout:
         return out
 
 
-def _checksum(views: Sequence[torch.Tensor]) -> int:
-    """XXH3-64 of the chunk's bytes, as a signed 64-bit int (it travels in an int64 header)."""
-    h = xxhash.xxh3_64()
-    for v in views:
-        h.update(v.numpy())  # xxhash releases the GIL on large buffers
-    digest = h.intdigest()
-    return digest - (1 << 64) if digest >= 1 << 63 else digest
+def _digests(views: Sequence[torch.Tensor], piece_bytes: int) -> np.ndarray:
+    """The XXH3-64 digests of a chunk's pieces (its checksum is made of them)."""
+    return digest.piece_digests(views, piece_bytes=piece_bytes)
 
 
 def _send_packed(transport: Transport, peer: int, tag: int, obj: Any, deadline: float) -> None:
@@ -195,7 +222,7 @@ class SendReport:
 def send_state(transport: Transport, peer: int, offer: StateOffer, *, deadline: float,
                only_header: bool = False) -> SendReport:
     """Donor side: offer the state, then send the chunks the joiner asks for (IN_FLIGHT of them while the
-    next one's checksum is computed). `only_header`: offer it, but send no chunk now even if asked."""
+    next one's checksum is made). `only_header`: offer it, but send no chunk now even if asked."""
     start = time.monotonic()
     _send_packed(transport, peer, TAG_STATE_OFFER, offer.header, deadline)
     want = _recv_packed(transport, peer, TAG_STATE_WANT, deadline, MAX_OFFER_BYTES)
@@ -206,7 +233,7 @@ def send_state(transport: Transport, peer: int, offer: StateOffer, *, deadline: 
     sent = 0
     for i in chunks:
         views = offer.chunk_views(i)
-        header = torch.tensor([i, _checksum(views)], dtype=torch.int64)
+        header = torch.tensor([i, digest.checksum(offer.chunk_digests(i))], dtype=torch.int64)
         if len(in_flight) == IN_FLIGHT:
             in_flight.popleft().wait()
         in_flight.append(transport.isend(peer, TAG_STATE, [header, *views], deadline=deadline))
@@ -231,8 +258,9 @@ class StateFetch:
         self.received: set[int] = set()
         self.num_chunks_fetched = 0  # over all donors, for tests and logs
         self.num_bytes_fetched = 0  # chunk bytes received, over all donors (a corrupt chunk's too)
-        self.num_corrupt = 0
+        self.num_corrupt = 0  # chunks that failed their checksum, and whole states that failed the state hash
         self._layout: _Layout | None = None
+        self._shared_digests: dict[int, np.ndarray] = {}  # by shared chunk: its pieces' digests, once checked
 
     @property
     def complete(self) -> bool:
@@ -242,14 +270,23 @@ class StateFetch:
     def step(self) -> int | None:
         return None if self.header is None else int(self.header["step"])
 
+    def shared_digests(self) -> np.ndarray:
+        """The piece digests of the shared tensors received (complete fetches only): the offer's state hash is
+        `digest.combine` of them, and a DiLoCo joiner keeps them as its own next offer's checksums."""
+        if not self.complete:
+            raise RuntimeError("shared_digests of an incomplete state")
+        parts = [self._shared_digests[i] for i in range(self._layout.num_shared_chunks)]
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.uint64)
+
     def fetch(self, transport: Transport, donor: int, *, deadline: float, later: bool = False,
               expected_hash: str | None = None) -> bool:
         """Take the donor's offer and the chunks still missing; returns whether the state is complete.
 
         With `later` the joiner asks for nothing now unless it already holds part of this very offer
         (then it finishes it now). An offer whose state hash is not `expected_hash` (the one the members
-        agreed on) is refused with StateCorrupt. PeerFailure propagates with the progress kept for the
-        next donor.
+        agreed on) is refused with StateCorrupt. A state that arrives whole but whose shared tensors do not
+        hash to the offer's state hash is logged and fetched again from the start (returns False).
+        PeerFailure propagates with the progress kept for the next donor.
         """
         offer = _recv_packed(transport, donor, TAG_STATE_OFFER, deadline, MAX_OFFER_BYTES)
         if expected_hash is not None and offer.get("state_hash") != expected_hash:
@@ -275,20 +312,24 @@ class StateFetch:
             posted.popleft().wait()
             post(k + IN_FLIGHT)  # keep IN_FLIGHT receives posted while this chunk is checked
             self._check(i, headers[k], views, donor)
+        if now and self.complete and digest.combine(self.shared_digests()) != self.header["state_hash"]:
+            self.num_corrupt += 1
+            log.error("the state from donor %d hashes to %s, not the %s it was offered as; fetching it again",
+                      donor, digest.combine(self.shared_digests()), self.header["state_hash"])
+            self.received, self._shared_digests = set(), {}
         return self.complete
 
     def _adopt(self, offer: dict[str, Any], donor: int) -> None:
         """Keep what still holds from earlier donors; reset the rest."""
         try:
             specs = [TensorSpec(str(n), str(d), tuple(int(x) for x in s), bool(sh)) for n, d, s, sh in offer["tensors"]]
-            layout = _Layout(specs, int(offer["chunk_bytes"]))
+            layout = _Layout(specs, int(offer["chunk_bytes"]), int(offer["piece_bytes"]))
         except (KeyError, TypeError, ValueError) as e:
             raise StateCorrupt(f"donor {donor} sent a malformed state offer: {e}") from None
-        same = (self.header is not None and self.header["step"] == offer["step"]
-                and self.header["tensors"] == offer["tensors"] and self.header["chunk_bytes"] == offer["chunk_bytes"]
-                and self.header["state_hash"] == offer["state_hash"])
+        same = self.header is not None and all(self.header[k] == offer[k] for k in (
+            "step", "tensors", "chunk_bytes", "piece_bytes", "state_hash"))
         if not same:
-            self.received = set()
+            self.received, self._shared_digests = set(), {}
             self.tensors = {s.name: self._tensor(s) for s in specs}
         elif self.header["origin"] != offer["origin"]:
             self.received = {i for i in self.received if layout.is_shared(i)}  # the new donor's own state differs
@@ -306,10 +347,14 @@ class StateFetch:
         if got_index != index:
             raise StateCorrupt(f"donor {donor} sent chunk {got_index} where chunk {index} was expected")
         self.num_chunks_fetched += 1
-        self.num_bytes_fetched += sum(v.numel() for v in self._layout.views(views, index))
-        if _checksum(self._layout.views(views, index)) != checksum:
+        chunk = self._layout.views(views, index)
+        self.num_bytes_fetched += sum(v.numel() for v in chunk)
+        digests = _digests(chunk, self._layout.piece_bytes)
+        if digest.checksum(digests) != checksum:
             self.num_corrupt += 1
             log.warning("chunk %d of the state from donor %d does not match its checksum; it will be fetched again",
                         index, donor)
             return
         self.received.add(index)
+        if self._layout.is_shared(index):
+            self._shared_digests[index] = digests

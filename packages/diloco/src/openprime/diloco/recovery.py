@@ -77,7 +77,7 @@ class Recovery:
             own = {k: v.detach().clone() for k, v in own.items()}
         return StateOffer(step=counters["num_outer_steps_done"], origin=self.origin,
                           state_hash=state_hash, shared={"theta": self.state.theta, "momentum": self.state.momentum},
-                          own=own, meta={**counters, "extra": meta})
+                          own=own, meta={**counters, "extra": meta}, shared_digests=self.state.shared_digests())
 
     def donate(self, t: Transport, ranks: Sequence[int], *, deadline: float, counters: dict[str, int],
                state_hash: str) -> list[int]:
@@ -152,18 +152,19 @@ class Recovery:
             self.bytes_received += fetch.num_bytes_fetched - before
         if not complete:
             return None
-        header = self.fetch.header
-        received_hash = self.state.state_hash()
-        if received_hash != header["state_hash"]:
-            log.error("the state received from rank %d hashes to %s, not the %s it was offered as; fetching it "
-                      "again", donor, received_hash, header["state_hash"])
+        header = self.fetch.header  # its state hash checked by the fetch against the theta and momentum received
+        if any(self.fetch.tensors.get(name) is not getattr(self.state, name) for name in ("theta", "momentum")):
+            shapes = {name: tuple(t.shape) for name, t in self.fetch.tensors.items() if name in ("theta", "momentum")}
+            log.error("rank %d offered global weights and momentum of shapes %s where this model has %d elements: "
+                      "another model; fetching again", donor, shapes, self.state.numel)
             self.fetch = self._new_fetch()
             return None
+        self.state.adopt_digests(self.fetch.shared_digests())
         if self.extra is not None:
             own = {k: v for k, v in self.fetch.tensors.items() if k not in ("theta", "momentum")}
             self.extra.load_own_state(own, header["meta"]["extra"])
         self.state.copy_to_params()
-        meta = {**header["meta"], "state_hash": received_hash}
+        meta = {**header["meta"], "state_hash": header["state_hash"]}
         self.fetch = self._new_fetch()
         return meta
 
