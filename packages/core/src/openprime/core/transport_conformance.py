@@ -162,6 +162,30 @@ def _body_killed(transport, ctx: GroupContext, nbytes: int) -> float | None:
         return time.monotonic() - start
 
 
+def _body_peer_left(transport, ctx: GroupContext, deadline_s: float) -> list[str] | None:
+    """Rank 1 says goodbye, closes its transport and its process exits; then rank 0 sends to it and receives from
+    it. What each call raised (or "returned")."""
+    if ctx.rank == 1:
+        transport.send(0, TAG_A, [torch.zeros(1)], deadline=time.monotonic() + 30)
+        transport.close()
+        return None
+    transport.recv(1, TAG_A, [torch.zeros(1)], deadline=time.monotonic() + 30)
+    time.sleep(1.0)  # the peer's process is gone by now, and its connections with it
+    outcomes = []
+    for op in (transport.isend, transport.irecv, transport.isend):
+        start = time.monotonic()
+        try:
+            op(1, TAG_B, [torch.zeros(4)], deadline=start + deadline_s).wait()
+            outcomes.append("returned")
+        except PeerFailure as e:
+            assert e.peers == (1,), e.peers
+            outcomes.append("PeerFailure")
+        except Exception as e:  # anything else would crash the node that called it
+            outcomes.append(f"{type(e).__name__}: {e}")
+        assert time.monotonic() - start < deadline_s + 5, f"{op.__name__} took {time.monotonic() - start:.1f}s"
+    return outcomes
+
+
 def _body_close(transport, ctx: GroupContext) -> bool:
     transport.close()
     transport.close()
@@ -348,6 +372,14 @@ class TransportConformance:
                                     expect_killed=(1,), timeout_s=90)
         assert killed == KILLED
         assert elapsed < 30, f"PeerFailure came only after {elapsed:.1f}s"
+
+    def test_calls_to_a_peer_that_left_raise_peer_failure(self):
+        # A node that leaves (SIGTERM) or dies between two collectives: the next send or receive to it must
+        # raise PeerFailure, so that the caller retries with the survivors, never crash with another error
+        # (Gloo raised RuntimeError from posting a send on a closed pair: chaos, seed 12, 2026-12-04). A
+        # send may also complete into buffers nobody will read; a receive cannot.
+        outcomes, _ = run_group(2, _body_peer_left, factory=self.factory, args=(3.0,), timeout_s=60)
+        assert outcomes[1] == "PeerFailure" and set(outcomes) <= {"PeerFailure", "returned"}, outcomes
 
     def test_close_is_idempotent(self):
         assert run_group(2, _body_close, factory=self.factory) == [True, True]

@@ -114,8 +114,7 @@ class GlooTransport(Transport):
         if len(encoded) > HEADER_BYTES:
             raise ValueError(f"too many buffers in one message for the Gloo header ({len(sizes)})")
         header[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
-        works = [self._pg.send([header], peer, tag)]
-        works += [self._pg.send([v], peer, tag) for v in views if v.numel()]
+        works = self._start(self._pg.send, peer, tag, [header, *(v for v in views if v.numel())])
         return _GlooHandle(self, peer, works, deadline, self.frame_bytes(tag, sizes), sending=True)
 
     def irecv(self, peer: int, tag: int, buffers: Sequence[torch.Tensor], *, deadline: float) -> Handle:
@@ -123,10 +122,18 @@ class GlooTransport(Transport):
         views = [as_bytes(b) for b in buffers]
         sizes = [v.numel() for v in views]
         header = torch.empty(HEADER_BYTES, dtype=torch.uint8)
-        works = [self._pg.recv([header], peer, tag)]
-        works += [self._pg.recv([v], peer, tag) for v in views if v.numel()]
+        works = self._start(self._pg.recv, peer, tag, [header, *(v for v in views if v.numel())])
         return _GlooHandle(self, peer, works, deadline, self.frame_bytes(tag, sizes), sending=False,
                            header=header, sizes=sizes, tag=tag)
+
+    def _start(self, op, peer: int, tag: int, buffers: list[torch.Tensor]) -> list:
+        """Post Gloo's send or recv (`op`) of each buffer. Gloo raises at once on a pair it already saw closed (a
+        peer that left or died before this call): that is a PeerFailure like any other, not a crash."""
+        try:
+            return [op([b], peer, tag) for b in buffers]
+        except RuntimeError as e:
+            self._fail(peer, f"gloo: {str(e).splitlines()[0][:300]}")
+            raise  # unreachable: _fail raises
 
     def close(self) -> None:
         if self._closed:
