@@ -4,13 +4,17 @@ Workers run as threads over in-memory LocalTransports (openprime.core.testing), 
 the arithmetic of the real DiLoCo class, all-reduce included, in a fraction of a second.
 """
 
+import attrs
 import pytest
 import torch
 
 from openprime.core.codec import Codec, Float32Codec
-from openprime.core.errors import ReplicaDivergence
+from openprime.core.collectives import TAG_ALL_GATHER_SIZE
+from openprime.core.errors import PeerFailure, ReplicaDivergence
+from openprime.core.membership import StaticMembership
 from openprime.core.testing import local_group, run_threads
 from openprime.core.timeouts import Timeouts
+from openprime.core.transport import Transport
 from openprime.diloco import (
     DiLoCo,
     DiLoCoConfig,
@@ -198,6 +202,57 @@ def test_divergent_replicas_are_detected():
     dilocos[1].state.momentum[0] = 1e-3  # corrupt one replica's outer state
     with pytest.raises(ReplicaDivergence, match="differs across replicas"):
         run_threads([d.sync for d in dilocos])
+
+
+class _LosesPeerAfterCommit(StaticMembership):
+    """A static group whose transport fails in the hash comparison that follows the commit (a peer that left after
+    applying); it records whether DiLoCo abandoned the transport."""
+
+    def __init__(self, transport) -> None:
+        super().__init__(transport)
+        self.abandoned = False
+
+    def begin(self, step, attempt, *, state_hash, hash_step):
+        rnd = super().begin(step, attempt, state_hash=state_hash, hash_step=hash_step)
+        return attrs.evolve(rnd, transport=_FailsSecondGather(self.transport))
+
+    def abandon(self) -> None:
+        self.abandoned = True
+
+
+class _FailsSecondGather(Transport):
+    def __init__(self, inner) -> None:
+        super().__init__(inner.rank, inner.world_size)
+        self.inner, self.gathers = inner, 0
+
+    def isend(self, peer, tag, buffers, *, deadline):
+        if tag == TAG_ALL_GATHER_SIZE:
+            self.gathers += 1
+            if self.gathers == 2:  # the first is the contributors' flags in the try, the second the hashes
+                raise PeerFailure(peer, "the peer left after applying")
+        return self.inner.isend(peer, tag, buffers, deadline=deadline)
+
+    def irecv(self, peer, tag, buffers, *, deadline):
+        return self.inner.irecv(peer, tag, buffers, deadline=deadline)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_a_hash_comparison_that_fails_after_the_commit_abandons_the_transport():
+    """Members waiting on this one in the comparison fail at once when it closes its transport (each transport's
+    conformance suite checks that), instead of at their deadline; the step stays applied."""
+    params = [torch.nn.Parameter(torch.zeros(3)) for _ in range(2)]
+    memberships = [_LosesPeerAfterCommit(t) for t in local_group(2)]
+    dilocos = [DiLoCo([p], config=DiLoCoConfig(num_inner_steps=1, outer_lr=1.0, outer_momentum=0.0), membership=m,
+                      timeouts=Timeouts(op_s=0.5)) for p, m in zip(params, memberships, strict=True)]
+    with torch.no_grad():
+        params[0].fill_(-1.0)
+        params[1].fill_(-3.0)
+    results = run_threads([d.sync for d in dilocos])
+    assert [m.abandoned for m in memberships] == [True, True]  # rank 1's send failed, rank 0's receive timed out
+    assert [r.num_contributors for r in results] == [2, 2] and not any(r.skipped for r in results)
+    assert all(torch.allclose(p.detach(), torch.full((3,), -2.0)) for p in params)  # applied: the mean
 
 
 def test_outer_update_variants():

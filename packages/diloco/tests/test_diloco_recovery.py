@@ -40,6 +40,9 @@ class Admits(Membership):
         assert ok
         return True
 
+    def abandon(self) -> None:
+        self.transport.close()
+
     def close(self) -> None:
         pass
 

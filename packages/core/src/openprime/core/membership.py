@@ -50,6 +50,13 @@ class Membership(ABC):
         """Report this member's all-reduce outcome; True when every member succeeded."""
 
     @abstractmethod
+    def abandon(self) -> None:
+        """A collective after the commit (the comparison of the state hashes) failed on the last round's transport:
+        close that transport now, so that members still waiting on this node in it fail at once instead of at
+        their deadline (they close theirs in turn: the failure goes round the ring in a few round trips). The
+        next `begin` gives a working transport."""
+
+    @abstractmethod
     def close(self) -> None:
         """Leave the group (the transport of the last round included)."""
 
@@ -69,6 +76,9 @@ class StaticMembership(Membership):
                               "a peer of a static group failed during the all-reduce; a static group cannot go on "
                               "without it (run under the mesh for elastic membership)")
         return True
+
+    def abandon(self) -> None:
+        self.transport.close()  # a peer failed: this group cannot go on (its next commit says so)
 
     def close(self) -> None:
         self.transport.close()

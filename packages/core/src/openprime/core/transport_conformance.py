@@ -186,6 +186,23 @@ def _body_peer_left(transport, ctx: GroupContext, deadline_s: float) -> list[str
     return outcomes
 
 
+def _body_peer_closes(transport, ctx: GroupContext, linger_s: float) -> float | None:
+    """Rank 0 waits to receive from rank 1, which closes its transport after 0.5 s instead of sending and stays
+    alive `linger_s` more: seconds until rank 0's receive raised (its deadline is 30 s)."""
+    if ctx.rank == 1:
+        time.sleep(0.5)
+        transport.close()
+        time.sleep(linger_s)  # alive: only the close can tell rank 0
+        return None
+    start = time.monotonic()
+    try:
+        transport.recv(1, TAG_A, [torch.empty(16, dtype=torch.uint8)], deadline=start + 30.0)
+    except PeerFailure as e:
+        assert e.peers == (1,), e.peers
+        return time.monotonic() - start
+    raise AssertionError("recv from a peer that closed its transport returned")
+
+
 def _body_close(transport, ctx: GroupContext) -> bool:
     transport.close()
     transport.close()
@@ -380,6 +397,13 @@ class TransportConformance:
         # send may also complete into buffers nobody will read; a receive cannot.
         outcomes, _ = run_group(2, _body_peer_left, factory=self.factory, args=(3.0,), timeout_s=60)
         assert outcomes[1] == "PeerFailure" and set(outcomes) <= {"PeerFailure", "returned"}, outcomes
+
+    def test_a_peer_closing_its_transport_fails_receives_waiting_on_it_at_once(self):
+        # A member that gives up on a collective (its own neighbour died) closes its transport so that the members
+        # waiting on it fail now, not at their deadline (2(n-1) x timeouts.op_s for a ring: 16 minutes for 5 nodes
+        # at the default 120 s). The cascade goes round the ring in a few round trips.
+        elapsed, _ = run_group(2, _body_peer_closes, factory=self.factory, args=(2.0,), timeout_s=60)
+        assert elapsed < 2.0, f"the receive raised {elapsed:.1f}s after it was posted, the close came at 0.5s"
 
     def test_close_is_idempotent(self):
         assert run_group(2, _body_close, factory=self.factory) == [True, True]

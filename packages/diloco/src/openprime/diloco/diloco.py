@@ -276,8 +276,10 @@ class DiLoCo:
         try:
             hashes = all_gather_object(t, mine, deadline=self._deadline(t))
         except PeerFailure as e:
-            # A member left after applying; the coordinator still compares the hashes at the next barrier.
+            # A member left after applying; the coordinator still compares the hashes at the next barrier. The
+            # members waiting on this one in the comparison must not wait out its deadline (2(n-1) x op_s).
             log.warning("could not compare state hashes after outer step %d: %s", self.num_outer_steps_done, e)
+            self.membership.abandon()
             return mine
         voted = {h for h in hashes if h is not None}
         self._agreed_hash = next(iter(voted)) if len(voted) == 1 else None  # what a non-blocking joiner checks

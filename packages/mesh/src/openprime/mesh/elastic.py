@@ -173,6 +173,12 @@ class ElasticDeviceMesh(Membership):
             self._start_probe()
         return applied
 
+    def abandon(self) -> None:
+        # The same group serves the next outer step if the view does not change (the same epoch, a first try);
+        # closed, it fails that try at once and the second try builds a new one.
+        if self._transport is not None:
+            self._transport.close()
+
     # ------------------------------------------------------------------ bandwidth for the ring order
 
     def _start_probe(self) -> None:
