@@ -19,7 +19,7 @@ from openprime.core.state_transfer import (
     default_chunk_bytes,
     send_state,
 )
-from openprime.core.testing import local_group, run_threads
+from openprime.core.testing import ForwardingTransport, local_group, run_threads
 from openprime.core.transport import Handle, Transport, as_bytes
 
 CHUNK, PIECE = 1000, 500  # bytes: small, so that chunks and pieces span tensor boundaries
@@ -46,12 +46,12 @@ def offer(origin: str, seed: int, **kw) -> StateOffer:
                       meta={"num_inner_steps_done": 60}, chunk_bytes=CHUNK, piece_bytes=PIECE, **kw)
 
 
-class DiesAfter(Transport):
+class DiesAfter(ForwardingTransport):
     """A donor's transport that stops sending (a killed process) after `num_chunks` state chunks."""
 
     def __init__(self, inner: Transport, num_chunks: int, corrupt: int | None = None) -> None:
-        super().__init__(inner.rank, inner.world_size)
-        self.inner, self.left, self.corrupt, self.count = inner, num_chunks, corrupt, 0
+        super().__init__(inner)
+        self.left, self.corrupt, self.count = num_chunks, corrupt, 0
 
     def isend(self, peer: int, tag: int, buffers: Sequence[torch.Tensor], *, deadline: float) -> Handle:
         if tag == TAG_STATE:
@@ -62,13 +62,7 @@ class DiesAfter(Transport):
             if self.count == self.corrupt:  # one bit flipped on the wire
                 buffers = [b.clone() for b in buffers]
                 buffers[-1].view(torch.uint8)[0] ^= 1
-        return self.inner.isend(peer, tag, buffers, deadline=deadline)
-
-    def irecv(self, peer, tag, buffers, *, deadline):
-        return self.inner.irecv(peer, tag, buffers, deadline=deadline)
-
-    def close(self) -> None:
-        self.inner.close()
+        return super().isend(peer, tag, buffers, deadline=deadline)
 
 
 def test_a_transfer_delivers_every_tensor_into_place():

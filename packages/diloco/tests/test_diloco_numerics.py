@@ -12,9 +12,8 @@ from openprime.core.codec import Codec, Float32Codec
 from openprime.core.collectives import TAG_ALL_GATHER_SIZE
 from openprime.core.errors import PeerFailure, ReplicaDivergence
 from openprime.core.membership import StaticMembership
-from openprime.core.testing import local_group, run_threads
+from openprime.core.testing import ForwardingTransport, local_group, run_threads
 from openprime.core.timeouts import Timeouts
-from openprime.core.transport import Transport
 from openprime.diloco import (
     DiLoCo,
     DiLoCoConfig,
@@ -220,23 +219,17 @@ class _LosesPeerAfterCommit(StaticMembership):
         self.abandoned = True
 
 
-class _FailsSecondGather(Transport):
+class _FailsSecondGather(ForwardingTransport):
     def __init__(self, inner) -> None:
-        super().__init__(inner.rank, inner.world_size)
-        self.inner, self.gathers = inner, 0
+        super().__init__(inner)
+        self.gathers = 0
 
     def isend(self, peer, tag, buffers, *, deadline):
         if tag == TAG_ALL_GATHER_SIZE:
             self.gathers += 1
             if self.gathers == 2:  # the first is the contributors' flags in the try, the second the hashes
                 raise PeerFailure(peer, "the peer left after applying")
-        return self.inner.isend(peer, tag, buffers, deadline=deadline)
-
-    def irecv(self, peer, tag, buffers, *, deadline):
-        return self.inner.irecv(peer, tag, buffers, deadline=deadline)
-
-    def close(self) -> None:
-        self.inner.close()
+        return super().isend(peer, tag, buffers, deadline=deadline)
 
 
 def test_a_hash_comparison_that_fails_after_the_commit_abandons_the_transport():

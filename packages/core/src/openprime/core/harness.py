@@ -205,6 +205,23 @@ class LocalTransport(Transport):
         self._closed = True
 
 
+class ForwardingTransport(Transport):
+    """Passes every call to `inner`: a test subclasses it and overrides one call to inject a fault there."""
+
+    def __init__(self, inner: Transport) -> None:
+        super().__init__(inner.rank, inner.world_size)
+        self.inner = inner
+
+    def isend(self, peer: int, tag: int, buffers: Sequence[torch.Tensor], *, deadline: float) -> Handle:
+        return self.inner.isend(peer, tag, buffers, deadline=deadline)
+
+    def irecv(self, peer: int, tag: int, buffers: Sequence[torch.Tensor], *, deadline: float) -> Handle:
+        return self.inner.irecv(peer, tag, buffers, deadline=deadline)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 def local_group(world_size: int) -> list[LocalTransport]:
     """`world_size` LocalTransports that talk to each other through in-memory queues."""
     hub = _Hub()

@@ -312,11 +312,13 @@ class StateFetch:
             posted.popleft().wait()
             post(k + IN_FLIGHT)  # keep IN_FLIGHT receives posted while this chunk is checked
             self._check(i, headers[k], views, donor)
-        if now and self.complete and digest.combine(self.shared_digests()) != self.header["state_hash"]:
-            self.num_corrupt += 1
-            log.error("the state from donor %d hashes to %s, not the %s it was offered as; fetching it again",
-                      donor, digest.combine(self.shared_digests()), self.header["state_hash"])
-            self.received, self._shared_digests = set(), {}
+        if now and self.complete:
+            got = digest.combine(self.shared_digests())
+            if got != self.header["state_hash"]:
+                self.num_corrupt += 1
+                log.error("the state from donor %d hashes to %s, not the %s it was offered as; fetching it again",
+                          donor, got, self.header["state_hash"])
+                self.received, self._shared_digests = set(), {}
         return self.complete
 
     def _adopt(self, offer: dict[str, Any], donor: int) -> None:

@@ -1,7 +1,8 @@
 """What tests across packages share, in one import: the process harness and the conformance suites.
 
 - `openprime.core.harness`: `run_group` (real processes, one thread each, bounded, none left behind),
-  `local_group` (transports between threads) and `run_threads`.
+  `local_group` (transports between threads), `run_threads`, and `ForwardingTransport` (to inject a fault
+  into one call of a working transport).
 - `openprime.core.transport_conformance`: `TransportConformance`, the suite every Transport runs.
 - `openprime.core.codec_conformance`: `CodecConformance`, the suite every Codec runs.
 
@@ -9,7 +10,15 @@
 """
 
 from openprime.core.codec_conformance import CodecConformance
-from openprime.core.harness import KILLED, GroupContext, LocalTransport, local_group, run_group, run_threads
+from openprime.core.harness import (
+    KILLED,
+    ForwardingTransport,
+    GroupContext,
+    LocalTransport,
+    local_group,
+    run_group,
+    run_threads,
+)
 from openprime.core.transport_conformance import (
     DTYPES,
     TransportConformance,
@@ -18,5 +27,6 @@ from openprime.core.transport_conformance import (
     per_rank_factory,
 )
 
-__all__ = ["DTYPES", "KILLED", "CodecConformance", "GroupContext", "LocalTransport", "TransportConformance",
+__all__ = ["DTYPES", "KILLED", "CodecConformance", "ForwardingTransport", "GroupContext", "LocalTransport",
+           "TransportConformance",
            "dtype_message", "local_group", "pattern", "per_rank_factory", "run_group", "run_threads"]

@@ -35,6 +35,11 @@ class GlooTransportConfig:
                                  validator=positive_int())
 
 
+def _first_line(error: Exception) -> str:
+    """Gloo's error messages run on with advice; their first line (at most 300 characters) says what happened."""
+    return str(error).splitlines()[0][:300]
+
+
 class _GlooHandle(Handle):
     def __init__(self, transport: GlooTransport, peer: int, works: list, deadline: float, nbytes: int,
                  *, sending: bool, header: torch.Tensor | None = None, sizes: list[int] | None = None,
@@ -53,7 +58,7 @@ class _GlooHandle(Handle):
             try:
                 work.wait(datetime.timedelta(seconds=max(left, 1e-3)))
             except RuntimeError as e:
-                self._t._fail(self._peer, f"gloo: {str(e).splitlines()[0][:300]}")
+                self._t._fail(self._peer, f"gloo: {_first_line(e)}")
             if i == 0 and self._header is not None:
                 self._check_header()
         self._done = True
@@ -89,7 +94,7 @@ class GlooTransport(Transport):
                                   host=config.hostname)
         except RuntimeError as e:
             raise PeerFailure(tuple(r for r in range(world_size) if r != rank),
-                              f"could not build the Gloo group: {str(e).splitlines()[0][:300]}") from None
+                              f"could not build the Gloo group: {_first_line(e)}") from None
 
     def frame_bytes(self, tag: int, sizes: Sequence[int]) -> int:
         return HEADER_BYTES + sum(sizes)
@@ -132,7 +137,7 @@ class GlooTransport(Transport):
         try:
             return [op([b], peer, tag) for b in buffers]
         except RuntimeError as e:
-            self._fail(peer, f"gloo: {str(e).splitlines()[0][:300]}")
+            self._fail(peer, f"gloo: {_first_line(e)}")
             raise  # unreachable: _fail raises
 
     def close(self) -> None:
