@@ -513,3 +513,71 @@ def test_member_alive_but_absent_from_the_barrier_is_evicted_as_a_straggler():
         _close(clients)
     finally:
         coordinator.stop()
+
+
+def test_the_straggler_deadline_follows_the_outer_steps_compute_time_within_its_bounds():
+    config = MeshConfig()  # the defaults: a 7200 s sync timeout, 6 s eviction, factor 1, at least 60 s
+    assert config.straggler_deadline_s(None) == config.straggler_timeout_s == 7200 - 12
+    assert config.straggler_deadline_s(38 * 60) == 38 * 60  # INTELLECT-1's outer steps: a hang costs one of them
+    assert config.straggler_deadline_s(5.0) == 60.0  # never sooner than min_straggler_s
+    assert config.straggler_deadline_s(3 * 3600) == config.straggler_timeout_s  # never later than the sync timeout
+    assert attrs.evolve(config, straggler_factor=2.5).straggler_deadline_s(600) == 1500
+    assert attrs.evolve(config, straggler_factor=0).straggler_deadline_s(600) == config.straggler_timeout_s
+
+
+def _outer_step(clients, step, compute_s):
+    """Every client computes for `compute_s`, then takes the barrier of `step` and commits it."""
+    def one(c):
+        time.sleep(compute_s)
+        return c.sync(step)
+    views = run_threads([lambda c=c: one(c) for c in clients])
+    assert run_threads([lambda c=c: c.commit(step, 0, True) for c in clients]) == [True] * len(clients)
+    return views
+
+
+def test_a_straggler_is_evicted_once_it_is_an_outer_steps_compute_late_not_at_the_sync_timeout():
+    # A hung process on a node that heartbeats used to hold every node until straggler_timeout_s (two hours by
+    # default). Once outer steps have been timed, the barrier waits for a member only as long as they take.
+    config = attrs.evolve(FAST, sync_timeout_s=10.0, min_straggler_s=0.2)  # the bound: 9.4 s
+    coordinator = Coordinator(config).start()
+    try:
+        clients = _clients(coordinator, 3, config)
+        _outer_step(clients, 0, 0.0)
+        for step in (1, 2):
+            _outer_step(clients, step, 0.4)  # timed: about 0.4 s from the commit to the first arrival
+        assert 0.4 <= coordinator.straggler_deadline_s() < 1.0
+        start = time.monotonic()
+        views = run_threads([lambda c=c: c.sync(3) for c in clients[:2]])  # node-2 hangs; its heartbeats go on
+        waited = time.monotonic() - start
+        assert views[0] == views[1] and views[0].members == ("node-0", "node-1")
+        assert 0.4 <= waited < 2.0, waited  # the sync-timeout bound would have been 9.4 s
+        assert coordinator.evictions == ["node-2"]
+        with pytest.raises(Evicted):
+            clients[2].sync(3)
+        _close(clients)
+    finally:
+        coordinator.stop()
+
+
+def test_after_a_view_that_admitted_a_node_the_barrier_waits_the_whole_bound_for_a_donor():
+    # In non-blocking recovery the donor sends the state after the commit and comes to the next barrier only when
+    # that is done (INTELLECT-1's transfers took 30-60 minutes, longer than an outer step): not a straggler.
+    config = attrs.evolve(FAST, sync_timeout_s=3.0, min_straggler_s=0.2)  # the bound: 2.4 s
+    coordinator = Coordinator(config).start()
+    try:
+        clients = _clients(coordinator, 2, config)
+        _outer_step(clients, 0, 0.0)
+        _outer_step(clients, 1, 0.3)
+        late = _admit(coordinator, clients, 2)
+        assert run_threads([lambda c=c: c.commit(2, 0, True) for c in [*clients, late]]) == [True] * 3
+        assert coordinator.straggler_deadline_s() == config.straggler_timeout_s
+        start = time.monotonic()
+        views = run_threads([lambda: clients[0].sync(3), lambda: late.sync(3)])  # node-1, the donor, is late
+        waited = time.monotonic() - start
+        assert views[0].members == ("node-0", "late") and waited >= config.straggler_timeout_s
+        # The view after that one admitted nobody: the barrier is back to the compute time.
+        assert run_threads([lambda c=c: c.commit(3, 0, True) for c in (clients[0], late)]) == [True, True]
+        assert coordinator.straggler_deadline_s() < 1.0
+        _close([*clients, late])
+    finally:
+        coordinator.stop()

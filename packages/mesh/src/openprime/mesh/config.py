@@ -8,7 +8,15 @@ one eviction timeout before it rebuilds the view from what the nodes report (its
 
 from __future__ import annotations
 
-from openprime.core.config import config, field, instance_of, non_negative_int, positive_float, positive_int
+from openprime.core.config import (
+    config,
+    field,
+    instance_of,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 
 
 @config
@@ -21,6 +29,11 @@ class MeshConfig:
                                        validator=positive_int())
     sync_timeout_s: float = field(7200.0, doc="longest wait at the outer-step barrier for the slowest node",
                                   validator=positive_float())
+    straggler_factor: float = field(
+        1.0, doc="a member this many outer steps' compute time behind the first at the barrier is evicted "
+                 "(0: only at the bound sync_timeout_s sets)", validator=non_negative_float())
+    min_straggler_s: float = field(60.0, doc="no member is evicted as a straggler sooner than this after the first "
+                                             "member reached the barrier", validator=positive_float())
     num_all_reduce_tries: int = field(3, doc="tries of one outer step's all-reduce before it is skipped",
                                       validator=positive_int())
     num_join_tries: int = field(5, doc="registrations a newcomer evicted while waiting may try",
@@ -45,10 +58,22 @@ class MeshConfig:
 
     @property
     def straggler_timeout_s(self) -> float:
-        """A member alive by its heartbeats that has not reached the outer-step barrier this long after the first
-        member did is evicted (e.g. one of its local ranks hung): two eviction timeouts before the members' own
-        wait (`sync_timeout_s`) ends, so that they go on without it instead of giving up."""
+        """The longest a member alive by its heartbeats may be missing from the outer-step barrier after the first
+        member reached it before it is evicted (e.g. one of its local ranks hung): two eviction timeouts before
+        the members' own wait (`sync_timeout_s`) ends, so that they go on without it instead of giving up."""
         return max(self.sync_timeout_s - 2 * self.eviction_timeout_s, self.eviction_timeout_s)
+
+    def straggler_deadline_s(self, compute_s: float | None) -> float:
+        """How long after the first member the barrier waits for the others, given `compute_s`, the time the members
+        took for recent outer steps (from one commit to the first arrival at the next barrier; None: not known).
+
+        Waiting longer than one outer step's compute for a member costs the others more than going on without
+        it (it rejoins and gets the state live). INTELLECT-1's outer steps took about 38 minutes, so a hung
+        process held the run 38 minutes rather than the two hours of `sync_timeout_s`. Never sooner than
+        `min_straggler_s` (a busy machine, a slow save) and never later than `straggler_timeout_s`."""
+        if compute_s is None or self.straggler_factor == 0:
+            return self.straggler_timeout_s
+        return min(self.straggler_timeout_s, max(self.min_straggler_s, self.straggler_factor * compute_s))
 
     @property
     def request_timeout_s(self) -> float:

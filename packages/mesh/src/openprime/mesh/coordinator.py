@@ -11,6 +11,8 @@ What it decides, on one thread, between messages:
 - the barrier at every outer step (`sync`): once every live member of the view has arrived, the next
   view is formed: the arrived members plus the joiners waiting, in ring order, with a new epoch if the
   set changed; after `num_all_reduce_tries` failed tries the view says `skip`, to every node alike;
+  a member alive by its heartbeats that stays away longer than recent outer steps took to compute
+  (`straggler_deadline_s`: a process of it hung) is evicted, so that the others go on without it;
 - the commit of each all-reduce: apply only if every member of the view reported success, else every
   survivor retries (so no node ever applies a result another node did not get);
 - agreement: the nodes' hashes of their global state after each outer step are compared, and any
@@ -19,6 +21,7 @@ What it decides, on one thread, between messages:
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import threading
@@ -35,6 +38,8 @@ from openprime.core.errors import ConfigError
 from openprime.mesh.config import MeshConfig
 from openprime.mesh.protocol import SLOTS_TERM, BadMessage, check_request, pack, unpack
 from openprime.mesh.ring_order import best_ring, ring_bottleneck
+
+NUM_COMPUTE_SAMPLES = 3  # outer steps whose longest compute time sets the straggler deadline (one fast one does not)
 
 log = logging.getLogger("openprime.mesh.coordinator")
 
@@ -104,6 +109,12 @@ class Coordinator:
         self.step = 0
         self._waiting: dict[str, tuple[bytes, int, dict]] = {}  # node -> (route, req, message) at the barrier
         self._barrier_opened: float | None = None  # when the first member reached the barrier now forming
+        # The members' compute time of recent outer steps, from an applied commit to the first arrival at the next
+        # barrier: how long a straggler is waited for (MeshConfig.straggler_deadline_s).
+        self._compute_s: collections.deque[float] = collections.deque(maxlen=NUM_COMPUTE_SAMPLES)
+        self._applied_at: float | None = None  # when the last outer step was applied, until the next barrier opens
+        self._view_admitted = False  # the last view listed new nodes (a donor may still be sending them the state)
+        self._donating = False  # ... and the barrier now forming is the one right after it was applied
         self._committee: Committee | None = None
         self._decisions: dict[tuple[int, int], bool] = {}
         self.hashes: dict[int, dict[str, str]] = {}
@@ -365,20 +376,37 @@ class Coordinator:
             if now - record.last_seen > self.config.eviction_timeout_s:
                 self._remove(node, f"silent for more than {self.config.eviction_timeout_s:.1f}s")
 
+    def straggler_deadline_s(self) -> float:
+        """How long after the first member this barrier waits for the others (MeshConfig.straggler_deadline_s): the
+        longest of the recent compute times, or, right after a view that admitted nodes, the sync-timeout bound
+        (a donor of non-blocking recovery sends the state before it comes to the barrier; INTELLECT-1's transfers
+        took 30-60 minutes)."""
+        known = max(self._compute_s) if self._compute_s and not self._donating else None
+        return self.config.straggler_deadline_s(known)
+
     def _evict_stragglers(self, now: float) -> None:
         """Members that heartbeat but do not come to the barrier (a process of theirs hung) would hold everyone
-        until the members' sync timeout: evict them `straggler_timeout_s` after the first member arrived."""
+        until the members' sync timeout: evict them `straggler_deadline_s()` after the first member arrived."""
         arrived = [m for m in self.members if m in self.nodes and m in self._waiting]
         if not arrived:
             self._barrier_opened = None
             return
         if self._barrier_opened is None:
             self._barrier_opened = now
-        elif now - self._barrier_opened > self.config.straggler_timeout_s:
+            if self._applied_at is not None and not self._donating:
+                self._compute_s.append(now - self._applied_at)
+            self._applied_at = None
+            return
+        deadline_s = self.straggler_deadline_s()
+        if now - self._barrier_opened > deadline_s:
+            known = f"{max(self._compute_s):.0f}s" if self._compute_s else "not known yet"
             for m in self.members:
                 if m in self.nodes and m not in self._waiting:
-                    self._remove(m, f"alive but not at the outer-step barrier {self.config.straggler_timeout_s:.0f}s "
-                                    f"after the first member (a straggler; it rejoins as a new node)")
+                    self._remove(m, f"alive but not at the outer-step barrier {deadline_s:.0f}s after the first member "
+                                    f"(a straggler: a process of it hung, or it computes far slower; recent outer "
+                                    f"steps' compute {known}, mesh.straggler_factor={self.config.straggler_factor:g}, "
+                                    f"mesh.min_straggler_s={self.config.min_straggler_s:g}; raise the factor for "
+                                    f"machines of different speeds). It rejoins as a new node")
 
     def _try_barrier(self) -> None:
         self._evict_stragglers(time.monotonic())
@@ -433,6 +461,7 @@ class Coordinator:
             self._reply(route, req, view)
         self._waiting.clear()
         self._barrier_opened = None
+        self._view_admitted, self._donating = bool(new), False
         log.info("outer step %d try %d: epoch %d, %d nodes%s%s", step, attempt, self.epoch, len(members),
                  f", admitted {joiners}" if joiners and live_members else "", ", SKIPPED" if skip else "")
 
@@ -493,6 +522,7 @@ class Coordinator:
         self._decisions[(committee.step, committee.attempt)] = apply
         if apply:
             self._unproven -= committee.members
+            self._applied_at, self._donating = time.monotonic(), self._view_admitted
         elif live == committee.members:  # nobody was lost, yet a member's all-reduce failed
             self._unexplained = {committee.step: self._unexplained.get(committee.step, 0) + 1}
         for route, req in committee.waiting.values():
