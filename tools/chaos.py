@@ -14,6 +14,10 @@ It runs two phases of the same config, one after the other, each with its own st
             evicted and must come back as a new node with the others' state;
    - term:  SIGTERM, a graceful leave (the deathrattle); a replacement is started 1-3 s later;
    - join:  one node more (at most N + 1 at a time);
+   - hang:  (nodes of 2 or more local ranks) SIGSTOP of local rank 1 of a random node, for twice
+            `mesh.min_straggler_s` plus 0-5 s, then SIGCONT: its local rank 0 goes on heartbeating while it
+            waits for rank 1, so the coordinator must evict it as a straggler (the others go on) and it must
+            come back as a new node;
    - coordinator: kill -9 of the coordinator, restarted at the same ports 0.5 s to two eviction
             timeouts later (its state is soft: it adopts the view the nodes report).
    At least `--min-alive` nodes that hold the global state stay up and unfrozen; a node still
@@ -23,15 +27,17 @@ Each phase ends by SIGTERM to every node (they leave gracefully), then kill -9 o
 exited within 30 s. So the recipe's `train.num_steps` is set far beyond what the run can reach
 (1,000,000) and the run is stopped by the clock. This keeps the chaos run as long as asked, whatever
 the machine's speed. Other fast defaults, all overridable with --set: H = 5 inner steps per outer step,
-a 0.5 s heartbeat (eviction after 1.5 s), 10 s connect and 5 s operation timeouts.
+a 0.5 s heartbeat (eviction after 1.5 s), stragglers evicted after 5 s at the least, 10 s connect and
+5 s operation timeouts.
 
 How to read the output. Lines in brackets are the harness's events, with seconds since the phase's
 first inner step ("!!" marks something that went wrong). The closing table compares the two phases:
 - nodes started mid-run: admitted/started: joins and replacements that received the state and took
   part in an outer step, out of those started;
 - SIGSTOPs of state holders / of joiners, and rejoined after a SIGSTOP: a frozen state holder should
-  find itself evicted and come back (a "rejoined" record); a "false evict" is a rejoin of a node the
-  harness never froze (heartbeats starved by the machine's load);
+  find itself evicted and come back (a "rejoined" record), as should a node with a hung local rank; a
+  "false evict" is a rejoin of a node the harness never froze or hung (heartbeats starved by the
+  machine's load, or a member late at the barrier for longer than its straggler deadline);
 - outer steps applied: outer steps whose all-reduce was committed (not skipped), in the window;
 - skipped outer steps / retried all-reduces: from the nodes' metrics (the same on every node);
 - HASH DISAGREEMENTS: outer steps after which two nodes' hashes of the global state differ (from the
@@ -89,9 +95,9 @@ from openprime.train.metrics import METRICS_FILE, MetricsTail, read_records
 from openprime.train.recipe import loaded_recipe_files, recipe_config
 from openprime.train.testing import free_port
 
-FAULT_KINDS = ("kill", "stop", "term", "join", "coordinator")
+FAULT_KINDS = ("kill", "stop", "term", "join", "coordinator", "hang")
 FAST_DEFAULTS = ["train.num_steps=1000000", "diloco.num_inner_steps=5", "train.log_every=20",
-                 "mesh.heartbeat_interval_s=0.5", "timeouts.connect_s=10", "timeouts.op_s=5"]
+                 "mesh.heartbeat_interval_s=0.5", "mesh.min_straggler_s=5", "timeouts.connect_s=10", "timeouts.op_s=5"]
 STARTUP_TIMEOUT_S = 180.0  # spawn, import torch and reach the first inner step, on a loaded 2-core machine
 SHUTDOWN_TIMEOUT_S = 30.0  # a node that has not exited this long after SIGTERM is killed and reported
 TERM_TIMEOUT_S = 30.0
@@ -184,6 +190,7 @@ class PhaseResult:
     replacements: int = 0
     stopped_holders: int = 0  # SIGSTOPs of nodes that held the state
     stopped_joiners: int = 0  # SIGSTOPs of nodes still starting or waiting to be admitted
+    hung: int = 0  # SIGSTOPs of local rank 1 of a node (its rank 0 heartbeating on)
     rejoined: int = 0
     joiners: int = 0  # nodes started mid-run (joins and replacements)
     joiners_admitted: int = 0  # of which received the state and took part in an outer step
@@ -216,7 +223,7 @@ class Phase:
         self.t0: float | None = None
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
-        self.frozen: dict[int, float] = {}  # node -> when it was stopped (wall clock)
+        self.frozen: dict[int, int] = {}  # node -> the pid of its process that is stopped
         self.stopped_at: dict[int, float] = {}
         self.established: set[int] = set()  # holds the global state: an outer step done since (re)start
         self.fate: dict[int, tuple[str, set[int]]] = {}  # node -> (what the harness did, expected exit codes)
@@ -263,10 +270,13 @@ class Phase:
             self.result.replacements += 1
 
     def thaw(self, node: int) -> None:
-        if self.frozen.pop(node, None) is not None:
-            self.signal_node(node, signal.SIGCONT)
-            say(self.t0, f"{self.name}: SIGCONT node {node} (frozen {time.time() - self.stopped_at[node]:.1f}s); "
-                         "it should find itself evicted and rejoin")
+        pid = self.frozen.pop(node, None)
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+            stopped_s = time.time() - self.stopped_at[node]
+            say(self.t0, f"{self.name}: SIGCONT node {node} (pid {pid}, stopped {stopped_s:.1f}s); it should find "
+                         "itself evicted and rejoin")
 
     def check_termed(self, node: int) -> None:
         assert self.launcher is not None
@@ -296,7 +306,8 @@ class Phase:
 
     def possible_faults(self) -> list[str]:
         possible = {"kill": bool(self.targets()), "stop": bool(self.targets()), "term": bool(self.targets()),
-                    "join": len(self.live()) < self.max_live, "coordinator": self.coordinator.up}
+                    "join": len(self.live()) < self.max_live, "coordinator": self.coordinator.up,
+                    "hang": self.cfg.fsdp.num_local_ranks > 1 and bool(self.targets())}
         return [kind for kind in self.faults if possible[kind]]
 
     def inject(self) -> None:
@@ -329,18 +340,23 @@ class Phase:
             self.signal_node(node, signal.SIGTERM)
             self.later(TERM_TIMEOUT_S, lambda: self.check_termed(node))
             self.later(self.rng.uniform(1, 3), self.top_up)
-        else:
-            freeze_s = self.eviction_s + self.rng.uniform(1, 3)
-            self.frozen[node] = self.stopped_at[node] = time.time()
-            if holder:
-                self.result.stopped_holders += 1
+        else:  # stop: the node's process that heartbeats; hang: another of its processes
+            if kind == "stop":
+                freeze_s = self.eviction_s + self.rng.uniform(1, 3)
+                self.result.stopped_holders += holder
+                self.result.stopped_joiners += not holder
             else:
-                self.result.stopped_joiners += 1
+                freeze_s = 2 * self.cfg.mesh.min_straggler_s + self.rng.uniform(0, 5)
+                self.result.hung += 1
+                pid = self.launcher.local_procs[node][1].pid
+            self.frozen[node] = pid
+            self.stopped_at[node] = time.time()
             self.established.discard(node)
-            self.signal_node(node, signal.SIGSTOP)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
             self.later(freeze_s, lambda: self.thaw(node))
-        label = {"kill": "kill -9", "term": "SIGTERM", "stop": "SIGSTOP"}[kind]
-        extra = f" for {freeze_s:.1f}s" if kind == "stop" else ""
+        label = {"kill": "kill -9", "term": "SIGTERM", "stop": "SIGSTOP", "hang": "SIGSTOP of local rank 1 of"}[kind]
+        extra = f" for {freeze_s:.1f}s" if kind in ("stop", "hang") else ""
         extra += "" if holder else " (not yet admitted)"
         say(self.t0, f"{self.name}: fault #{n}: {label} node {node} (pid {pid}){extra}; "
                      f"{len(self.live()) - (kind == 'stop')} live and running; {where}")
@@ -436,8 +452,8 @@ class Phase:
         """SIGCONT the frozen, SIGTERM every node, kill -9 what is left after a bounded wait; stop the coordinator."""
         if self.launcher is not None:
             for node in list(self.frozen):
-                self.frozen.pop(node)
-                self.signal_node(node, signal.SIGCONT)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.frozen.pop(node), signal.SIGCONT)
             alive = [n for n, p in self.launcher.procs.items() if p.is_alive()]
             for node in alive:
                 if node not in self.fate:  # a second SIGTERM could land in an exiting interpreter: no handler
@@ -514,6 +530,7 @@ def print_table(results: list[PhaseResult], *, stall_s: float) -> None:
     row("replacement nodes started", lambda r: str(r.replacements))
     row("nodes started mid-run: admitted/started", lambda r: f"{r.joiners_admitted}/{r.joiners}")
     row("SIGSTOPs of state holders / of joiners", lambda r: f"{r.stopped_holders}/{r.stopped_joiners}")
+    row("hung local ranks (SIGSTOP of rank 1)", lambda r: str(r.hung))
     row("rejoined after a SIGSTOP", lambda r: str(r.rejoined - r.unplanned_rejoins))
     row("rejoins without a SIGSTOP (false evict)", lambda r: str(r.unplanned_rejoins))
     row("coordinator restart failures", lambda r: str(r.coordinator_restart_failures))

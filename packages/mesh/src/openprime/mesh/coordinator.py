@@ -109,12 +109,17 @@ class Coordinator:
         self.step = 0
         self._waiting: dict[str, tuple[bytes, int, dict]] = {}  # node -> (route, req, message) at the barrier
         self._barrier_opened: float | None = None  # when the first member reached the barrier now forming
+        self._trained_arrived: float | None = None  # ... and the first that trained since the last outer step
         # The members' compute time of recent outer steps, from an applied commit to the first arrival at the next
         # barrier: how long a straggler is waited for (MeshConfig.straggler_deadline_s).
         self._compute_s: collections.deque[float] = collections.deque(maxlen=NUM_COMPUTE_SAMPLES)
         self._applied_at: float | None = None  # when the last outer step was applied, until the next barrier opens
-        self._view_admitted = False  # the last view listed new nodes (a donor may still be sending them the state)
-        self._donating = False  # ... and the barrier now forming is the one right after it was applied
+        # The new nodes and the donor of the view now in its all-reduce, and, once it is applied, until the next view:
+        # at that barrier a non-blocking joiner comes early (it sat out) and its donor late (it sent the state first).
+        self._view_new: frozenset[str] = frozenset()
+        self._view_donor: str | None = None
+        self._fresh: frozenset[str] = frozenset()
+        self._donor: str | None = None
         self._committee: Committee | None = None
         self._decisions: dict[tuple[int, int], bool] = {}
         self.hashes: dict[int, dict[str, str]] = {}
@@ -376,37 +381,45 @@ class Coordinator:
             if now - record.last_seen > self.config.eviction_timeout_s:
                 self._remove(node, f"silent for more than {self.config.eviction_timeout_s:.1f}s")
 
-    def straggler_deadline_s(self) -> float:
-        """How long after the first member this barrier waits for the others (MeshConfig.straggler_deadline_s): the
-        longest of the recent compute times, or, right after a view that admitted nodes, the sync-timeout bound
-        (a donor of non-blocking recovery sends the state before it comes to the barrier; INTELLECT-1's transfers
-        took 30-60 minutes)."""
-        known = max(self._compute_s) if self._compute_s and not self._donating else None
+    def straggler_deadline_s(self, member: str | None = None) -> float:
+        """How long after the first member this barrier waits for `member` (MeshConfig.straggler_deadline_s): the
+        longest of the recent compute times, or, for the donor of the view that admitted nodes just before, the
+        sync-timeout bound (in non-blocking recovery it sends the state before it comes to the barrier;
+        INTELLECT-1's transfers took 30-60 minutes)."""
+        known = max(self._compute_s) if self._compute_s and (self._donor is None or member != self._donor) else None
         return self.config.straggler_deadline_s(known)
 
     def _evict_stragglers(self, now: float) -> None:
         """Members that heartbeat but do not come to the barrier (a process of theirs hung) would hold everyone
-        until the members' sync timeout: evict them `straggler_deadline_s()` after the first member arrived."""
+        until the members' sync timeout: evict them `straggler_deadline_s(m)` after the first member that trained
+        arrived (not one just admitted: it may have sat the step out), and at the latest `straggler_timeout_s`
+        after the first member at all."""
         arrived = [m for m in self.members if m in self.nodes and m in self._waiting]
         if not arrived:
-            self._barrier_opened = None
+            self._barrier_opened = self._trained_arrived = None
             return
         if self._barrier_opened is None:
             self._barrier_opened = now
-            if self._applied_at is not None and not self._donating:
+        if self._trained_arrived is None and any(m not in self._fresh for m in arrived):
+            self._trained_arrived = now
+            if self._applied_at is not None:
                 self._compute_s.append(now - self._applied_at)
             self._applied_at = None
-            return
-        deadline_s = self.straggler_deadline_s()
-        if now - self._barrier_opened > deadline_s:
-            known = f"{max(self._compute_s):.0f}s" if self._compute_s else "not known yet"
-            for m in self.members:
-                if m in self.nodes and m not in self._waiting:
-                    self._remove(m, f"alive but not at the outer-step barrier {deadline_s:.0f}s after the first member "
-                                    f"(a straggler: a process of it hung, or it computes far slower; recent outer "
-                                    f"steps' compute {known}, mesh.straggler_factor={self.config.straggler_factor:g}, "
-                                    f"mesh.min_straggler_s={self.config.min_straggler_s:g}; raise the factor for "
-                                    f"machines of different speeds). It rejoins as a new node")
+        known = f"{max(self._compute_s):.0f}s" if self._compute_s else "not known yet"
+        for m in self.members:
+            if m not in self.nodes or m in self._waiting:
+                continue
+            deadline_s = self.config.straggler_timeout_s
+            late = now - self._barrier_opened > deadline_s
+            if not late and self._trained_arrived is not None:
+                deadline_s = self.straggler_deadline_s(m)
+                late = now - self._trained_arrived > deadline_s
+            if late:
+                self._remove(m, f"alive but not at the outer-step barrier {deadline_s:.0f}s after the first member "
+                                f"(a straggler: a process of it hung, or it computes far slower; recent outer "
+                                f"steps' compute {known}, mesh.straggler_factor={self.config.straggler_factor:g}, "
+                                f"mesh.min_straggler_s={self.config.min_straggler_s:g}; raise the factor for "
+                                f"machines of different speeds). It rejoins as a new node")
 
     def _try_barrier(self) -> None:
         self._evict_stragglers(time.monotonic())
@@ -460,8 +473,10 @@ class Coordinator:
         for route, req, _ in self._waiting.values():
             self._reply(route, req, view)
         self._waiting.clear()
-        self._barrier_opened = None
-        self._view_admitted, self._donating = bool(new), False
+        self._barrier_opened = self._trained_arrived = None
+        self._view_new = frozenset(new)
+        self._view_donor = next((m for m in members if m not in self._view_new), None) if new else None  # as elastic.py
+        self._fresh, self._donor = frozenset(), None
         log.info("outer step %d try %d: epoch %d, %d nodes%s%s", step, attempt, self.epoch, len(members),
                  f", admitted {joiners}" if joiners and live_members else "", ", SKIPPED" if skip else "")
 
@@ -479,7 +494,7 @@ class Coordinator:
                   f"the coordinator (`openprime mesh serve`) to start a new run")
         log.error("outer step %d: %s (refused: %s)", self.step, reason, waiting)
         self._refuse_at_barrier(waiting, reason)
-        self._barrier_opened = None
+        self._barrier_opened = self._trained_arrived = None
 
     def _refuse_at_barrier(self, nodes: list[str], reason: str) -> None:
         """Answer these nodes' waiting syncs with a refusal (JoinRefused there) and forget them."""
@@ -522,7 +537,7 @@ class Coordinator:
         self._decisions[(committee.step, committee.attempt)] = apply
         if apply:
             self._unproven -= committee.members
-            self._applied_at, self._donating = time.monotonic(), self._view_admitted
+            self._applied_at, self._fresh, self._donor = time.monotonic(), self._view_new, self._view_donor
         elif live == committee.members:  # nobody was lost, yet a member's all-reduce failed
             self._unexplained = {committee.step: self._unexplained.get(committee.step, 0) + 1}
         for route, req in committee.waiting.values():
