@@ -53,6 +53,8 @@ first inner step ("!!" marks something that went wrong). The closing table compa
 - longest stall: the longest time without an applied outer step (including the start and the end);
 - unexpected exits: a node that died without being killed or terminated by the harness, or exited
   with a code other than the expected one (-9 after kill, 143 after SIGTERM). See nodes.log.
+A stall half as long as `--stall` gets every node process's thread stacks printed to nodes.log (once per
+stall; openprime.train.launcher.STACKS_SIGNAL), to see where the nodes wait.
 
 The fault schedule is drawn from `--seed`, but which faults are possible at a given moment depends on
 the run (how many nodes are admitted, whether the coordinator is up), so two runs with the same seed
@@ -210,10 +212,12 @@ class Phase:
 
     def __init__(self, name: str, cfg: RunConfig, run_dir: pathlib.Path, *, num_nodes: int, duration_s: float,
                  faults: tuple[str, ...], rng: random.Random, interval: tuple[float, float], min_alive: int,
-                 verbose: bool) -> None:
+                 verbose: bool, stall_s: float) -> None:
         self.name, self.cfg, self.run_dir = name, cfg, run_dir
         self.num_nodes, self.duration_s, self.faults, self.rng = num_nodes, duration_s, faults, rng
         self.interval, self.min_alive = interval, min_alive
+        self.stall_s = stall_s  # a stall half this long gets the nodes' stacks printed, once per stall
+        self.last_outer_at = 0.0  # when last_outer last grew (wall clock)
         self.node_log = None if verbose else run_dir / "nodes.log"
         self.max_live = max(1, min(num_nodes + 1, cfg.mesh.max_nodes - 2))
         self.eviction_s = cfg.mesh.eviction_timeout_s
@@ -373,8 +377,8 @@ class Phase:
                 self.started.add(node)
             if r["kind"] in ("outer", "rejoined") and r["time"] > self.stopped_at.get(node, 0.0):
                 self.established.add(node)
-            if r["kind"] == "outer" and not r.get("skipped"):
-                self.last_outer = max(self.last_outer, r["outer_step"])
+            if r["kind"] == "outer" and not r.get("skipped") and r["outer_step"] > self.last_outer:
+                self.last_outer, self.last_outer_at = r["outer_step"], time.time()
             if r["kind"] == "step" and self.t0 is None:
                 self.t0 = r["time"]
         self.check_exits()
@@ -431,6 +435,7 @@ class Phase:
         end = self.t0 + self.duration_s
         next_fault = time.time() + self.rng.uniform(*self.interval)
         next_status = time.time() + 15
+        dumped = -1  # the outer step after which the stacks were last printed
         while (now := time.time()) < end:
             self.observe()
             self.run_due_events()
@@ -440,6 +445,12 @@ class Phase:
             if now >= next_status:
                 self.status()
                 next_status = now + 15
+            if self.last_outer_at and now - self.last_outer_at > self.stall_s / 2 and dumped != self.last_outer:
+                dumped = self.last_outer
+                say(self.t0, f"{self.name}: !! no outer step applied for {now - self.last_outer_at:.0f}s; the nodes' "
+                             f"stacks go to {self.node_log or 'their output'}")
+                with output_to(self.node_log):
+                    self.launcher.dump_stacks()
             time.sleep(0.2)
         self.observe()
         self.result.window_s = time.time() - self.t0
@@ -633,7 +644,8 @@ def main(argv: list[str] | None = None) -> int:
             write_run_files(phase_dir, cfg, recipe=args.recipe.resolve(), recipe_files=loaded_recipe_files(),
                             overrides=overrides, num_nodes=args.nodes)
             current = Phase(name, cfg, phase_dir, num_nodes=args.nodes, duration_s=duration, faults=kinds,
-                            rng=rng, interval=tuple(args.interval), min_alive=args.min_alive, verbose=args.verbose)
+                            rng=rng, interval=tuple(args.interval), min_alive=args.min_alive, verbose=args.verbose,
+                            stall_s=args.stall)
             results.append(current.run())
             current = None
     except KeyboardInterrupt:

@@ -587,3 +587,32 @@ def test_after_a_view_that_admitted_a_node_its_donor_is_waited_for_and_the_joine
         _close([*clients, late])
     finally:
         coordinator.stop()
+
+
+def test_a_member_that_never_reports_on_its_all_reduce_is_evicted_and_the_others_retry_without_it():
+    # Found by tools/chaos.py with 2 local ranks (2026-12-04): local rank 1 of a node hung after its rank 0 had
+    # reached the barrier. The node was in the view, never built its group and never reported on the all-reduce;
+    # the others, whose all-reduce failed without it, waited for the decision until the end of the run (their sync
+    # timeout: two hours by default).
+    config = attrs.evolve(FAST, sync_timeout_s=10.0, min_straggler_s=0.2)  # the bound: 9.4 s
+    coordinator = Coordinator(config).start()
+    try:
+        clients = _clients(coordinator, 3, config)
+        _outer_step(clients, 0, 0.0)
+        for step in (1, 2):
+            _outer_step(clients, step, 0.3)
+        views = run_threads([lambda c=c: c.sync(3) for c in clients])  # all three at the barrier; then node-2 hangs
+        assert views[0].members == ("node-0", "node-1", "node-2")
+        start = time.monotonic()
+        decisions = run_threads([lambda c=c: c.commit(3, 0, False) for c in clients[:2]])
+        waited = time.monotonic() - start
+        assert decisions == [False, False] and 0.3 <= waited < 2.0, (decisions, waited)
+        assert coordinator.evictions == ["node-2"]
+        views = run_threads([lambda c=c: c.sync(3, 1) for c in clients[:2]])
+        assert views[0].members == ("node-0", "node-1") and not views[0].skip
+        assert run_threads([lambda c=c: c.commit(3, 1, True) for c in clients[:2]]) == [True, True]
+        with pytest.raises(Evicted):
+            clients[2].commit(3, 0, False)
+        _close(clients)
+    finally:
+        coordinator.stop()

@@ -62,6 +62,7 @@ class Committee:
     members: frozenset[str]
     reports: dict[str, bool] = attrs.Factory(dict)
     waiting: dict[str, tuple[bytes, int]] = attrs.Factory(dict)
+    first_report_at: float | None = None  # when the first member reported (time.monotonic())
 
 
 def _stated_slots(terms: Any) -> int | None:
@@ -345,6 +346,8 @@ class Coordinator:
         if committee is None or (committee.step, committee.attempt) != key:
             # A coordinator that restarted mid-commit: the members re-form the committee as they report.
             committee = self._committee = Committee(step=key[0], attempt=key[1], members=frozenset(self.members))
+        if committee.first_report_at is None:
+            committee.first_report_at = time.monotonic()
         committee.reports[message["node"]] = message["ok"]
         committee.waiting[message["node"]] = (route, message["req"])
         return None
@@ -525,10 +528,27 @@ class Coordinator:
         self._refuse_at_barrier(culprits, reason)
         return True
 
+    def _evict_silent_committee(self, committee: Committee, now: float) -> None:
+        """A member alive by its heartbeats that does not report how its all-reduce went (a process of it hung after
+        its barrier: its other ranks never built the group, or it waits on the hung one) would hold the others in
+        their commit until their sync timeout: evict it as late after the first report as a straggler at the
+        barrier. Its ring's members fail the all-reduce without it (a group not built, a peer that stopped), so they
+        report soon after one another. A try that admitted nodes keeps the sync-timeout bound: in blocking recovery
+        its donor and joiners report only after the transfer, which may take longer than an outer step."""
+        if committee.first_report_at is None:
+            return
+        deadline_s = self.config.straggler_timeout_s if self._view_new else self.straggler_deadline_s()
+        for m in committee.members:
+            if m in self.nodes and m not in committee.reports and now - committee.first_report_at > deadline_s:
+                self._remove(m, f"alive but did not report on the all-reduce of outer step {committee.step} "
+                                f"{deadline_s:.0f}s after the first member did (a process of it hung after the "
+                                f"barrier). It rejoins as a new node")
+
     def _try_commit(self) -> None:
         committee = self._committee
         if committee is None or not committee.reports:
             return
+        self._evict_silent_committee(committee, time.monotonic())
         live = {m for m in committee.members if m in self.nodes}
         if not live <= set(committee.reports):
             return
