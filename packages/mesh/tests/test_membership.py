@@ -616,3 +616,51 @@ def test_a_member_that_never_reports_on_its_all_reduce_is_evicted_and_the_others
         _close(clients)
     finally:
         coordinator.stop()
+
+
+def test_a_restarted_coordinator_takes_the_straggler_deadline_from_what_the_nodes_measured():
+    # Its own timings went with it; the nodes report how long they computed since their last applied outer step.
+    config = attrs.evolve(FAST, sync_timeout_s=10.0, min_straggler_s=0.2)  # the bound: 9.4 s
+    coordinator = Coordinator(config).start()
+    clients = _clients(coordinator, 3, config)
+    try:
+        _outer_step(clients, 0, 0.0)
+        _outer_step(clients, 1, 0.0)
+        address = coordinator.address
+        coordinator.stop()
+        coordinator = Coordinator(config, bind=address).start()
+        assert coordinator.straggler_deadline_s() == config.straggler_timeout_s  # nothing timed yet
+        _outer_step(clients, 2, 0.4)  # reported: about 0.4 s (the restart's own timing would be missing)
+        assert 0.4 <= coordinator.straggler_deadline_s() < 1.0
+        start = time.monotonic()
+        views = run_threads([lambda c=c: c.sync(3) for c in clients[:2]])
+        assert views[0].members == ("node-0", "node-1") and time.monotonic() - start < 2.0
+        _close(clients)
+    finally:
+        coordinator.stop()
+
+
+def test_in_a_try_that_admitted_a_node_a_hung_joiner_is_timed_from_its_donor_s_report():
+    # In blocking recovery the donor and the joiner report only once the transfer is over: the joiner is not late
+    # while its donor has not reported either; once the donor has, it is (its process hung, the transfer failed).
+    config = attrs.evolve(FAST, sync_timeout_s=10.0, min_straggler_s=0.2)  # the bound: 9.4 s
+    coordinator = Coordinator(config).start()
+    try:
+        clients = _clients(coordinator, 3, config)
+        _outer_step(clients, 0, 0.0)
+        for step in (1, 2):
+            _outer_step(clients, step, 0.3)
+        late = _admit(coordinator, clients, 3)  # node-0 is its donor (the first member that is not new)
+
+        def report(client, after_s):
+            time.sleep(after_s)
+            return client.commit(3, 0, False), time.monotonic() - start
+
+        start = time.monotonic()
+        (d1, t1), (d2, t2), (d0, t0) = run_threads([lambda: report(clients[1], 0.0), lambda: report(clients[2], 0.0),
+                                                    lambda: report(clients[0], 1.0)])
+        assert not (d0 or d1 or d2) and coordinator.evictions == ["late"]
+        assert 1.2 <= min(t0, t1, t2) < 3.0, (t0, t1, t2)  # the donor's report + about 0.3 s, not 0.3 s nor 9.4 s
+        _close([*clients, late])
+    finally:
+        coordinator.stop()

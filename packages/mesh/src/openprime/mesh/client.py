@@ -81,6 +81,7 @@ class MeshClient:
         self.terms: dict[str, str] = {}  # what this node agrees to (join); heartbeats and syncs carry it, so that a
         # restarted coordinator learns the run's terms from its members
         self.evicted = False
+        self._applied_at: float | None = None  # when the last outer step this node took part in was applied
         self._secret = AuthConfig(run_id=config.run_id, secret_file=config.secret_file).load_secret()
         self._ctx = zmq.Context()
         self._req_ids = itertools.count(1)
@@ -165,6 +166,11 @@ class MeshClient:
         deadline = time.monotonic() + self.config.sync_timeout_s
         extra: dict[str, Any] = {"hash": state_hash, "hash_step": hash_step} if state_hash is not None else {}
         extra.update(self._terms())
+        if attempt == 0 and self._applied_at is not None:
+            # How long this node computed since its last outer step was applied: the coordinator's straggler
+            # deadline, kept across a coordinator restart (its state is soft).
+            extra["compute_s"] = time.monotonic() - self._applied_at
+        self._applied_at = None
         if stateless:
             extra["stateless"] = True
         if bandwidth:
@@ -193,6 +199,8 @@ class MeshClient:
         deadline = time.monotonic() + self.config.sync_timeout_s
         with self._lock:
             reply = self._request(self._sock, "commit", deadline, step=step, attempt=attempt, ok=ok)
+        if reply["apply"]:
+            self._applied_at = time.monotonic()
         return bool(reply["apply"])
 
     def status(self) -> dict[str, Any]:

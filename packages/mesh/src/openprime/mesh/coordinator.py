@@ -62,7 +62,7 @@ class Committee:
     members: frozenset[str]
     reports: dict[str, bool] = attrs.Factory(dict)
     waiting: dict[str, tuple[bytes, int]] = attrs.Factory(dict)
-    first_report_at: float | None = None  # when the first member reported (time.monotonic())
+    reported_at: dict[str, float] = attrs.Factory(dict)  # when each member reported (time.monotonic())
 
 
 def _stated_slots(terms: Any) -> int | None:
@@ -346,8 +346,7 @@ class Coordinator:
         if committee is None or (committee.step, committee.attempt) != key:
             # A coordinator that restarted mid-commit: the members re-form the committee as they report.
             committee = self._committee = Committee(step=key[0], attempt=key[1], members=frozenset(self.members))
-        if committee.first_report_at is None:
-            committee.first_report_at = time.monotonic()
+        committee.reported_at.setdefault(message["node"], time.monotonic())
         committee.reports[message["node"]] = message["ok"]
         committee.waiting[message["node"]] = (route, message["req"])
         return None
@@ -403,9 +402,14 @@ class Coordinator:
             return
         if self._barrier_opened is None:
             self._barrier_opened = now
-        if self._trained_arrived is None and any(m not in self._fresh for m in arrived):
+        trained = [m for m in arrived if m not in self._fresh]
+        if self._trained_arrived is None and trained:
             self._trained_arrived = now
-            if self._applied_at is not None:
+            # What the nodes measured themselves (the fastest, if several came at once): kept across restarts.
+            reported = [self._waiting[m][2]["compute_s"] for m in trained if "compute_s" in self._waiting[m][2]]
+            if reported:
+                self._compute_s.append(float(min(reported)))
+            elif self._applied_at is not None:
                 self._compute_s.append(now - self._applied_at)
             self._applied_at = None
         known = f"{max(self._compute_s):.0f}s" if self._compute_s else "not known yet"
@@ -533,15 +537,21 @@ class Coordinator:
         its barrier: its other ranks never built the group, or it waits on the hung one) would hold the others in
         their commit until their sync timeout: evict it as late after the first report as a straggler at the
         barrier. Its ring's members fail the all-reduce without it (a group not built, a peer that stopped), so they
-        report soon after one another. A try that admitted nodes keeps the sync-timeout bound: in blocking recovery
-        its donor and joiners report only after the transfer, which may take longer than an outer step."""
-        if committee.first_report_at is None:
+        report soon after one another. In a try that admitted nodes, the donor and the new nodes are timed among
+        themselves: in blocking recovery they report only once the transfer is over, which may take longer than an
+        outer step, so until one of them has reported they are waited for up to the sync-timeout bound."""
+        if not committee.reported_at:
             return
-        deadline_s = self.config.straggler_timeout_s if self._view_new else self.straggler_deadline_s()
+        party = set(self._view_new) | ({self._view_donor} if self._view_donor else set())
+        party_reports = [t for m, t in committee.reported_at.items() if m in party]
+        first, deadline_s = min(committee.reported_at.values()), self.straggler_deadline_s()
         for m in committee.members:
-            if m in self.nodes and m not in committee.reports and now - committee.first_report_at > deadline_s:
+            if m not in self.nodes or m in committee.reports:
+                continue
+            since = first if m not in party else min(party_reports) if party_reports else None
+            if now - first > self.config.straggler_timeout_s or (since is not None and now - since > deadline_s):
                 self._remove(m, f"alive but did not report on the all-reduce of outer step {committee.step} "
-                                f"{deadline_s:.0f}s after the first member did (a process of it hung after the "
+                                f"{now - first:.0f}s after the first member did (a process of it hung after the "
                                 f"barrier). It rejoins as a new node")
 
     def _try_commit(self) -> None:

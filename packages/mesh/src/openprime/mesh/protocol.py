@@ -9,7 +9,7 @@ Node -> coordinator (every message also carries the node's belief: epoch, member
 restarted coordinator rebuilds its state from what the nodes report):
     join       {node, incarnation}                      -> joined {slot} | refused {reason}
     heartbeat  {node, incarnation}                      -> ok | evicted
-    sync       {node, incarnation, step, attempt, hash}  -> view {epoch, members, new, step, attempt, skip}
+    sync       {node, incarnation, step, attempt, hash, compute_s}  -> view {epoch, members, new, step, attempt, skip}
     commit     {node, incarnation, step, attempt, ok}    -> decision {apply}
     leave      {node, incarnation}                      -> ok          (the deathrattle)
     status     {}                                       -> status {...} (tools and tests)
@@ -96,6 +96,10 @@ def check_request(message: dict[str, Any]) -> str:
     if bandwidth is not None and not (isinstance(bandwidth, dict) and all(
             isinstance(k, str) and isinstance(v, int | float) and v >= 0 for k, v in bandwidth.items())):
         raise BadMessage(f"{op}: bw must map node ids to non-negative rates")
+    compute_s = message.get("compute_s")
+    if compute_s is not None and not (isinstance(compute_s, int | float) and not isinstance(compute_s, bool)
+                                      and 0 <= compute_s < float("inf")):
+        raise BadMessage(f"{op}: compute_s must be a non-negative number of seconds")
     terms = message.get("terms")
     if terms is not None and not (isinstance(terms, dict) and all(
             isinstance(k, str) and isinstance(v, str) for k, v in terms.items())):
