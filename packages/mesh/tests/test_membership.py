@@ -664,3 +664,22 @@ def test_in_a_try_that_admitted_a_node_a_hung_joiner_is_timed_from_its_donor_s_r
         _close([*clients, late])
     finally:
         coordinator.stop()
+
+
+def test_in_a_try_that_admitted_a_node_a_hung_donor_whose_joiner_is_gone_is_timed_from_the_first_report():
+    config = attrs.evolve(FAST, sync_timeout_s=10.0, min_straggler_s=0.2)  # the bound: 9.4 s
+    coordinator = Coordinator(config).start()
+    try:
+        clients = _clients(coordinator, 3, config)
+        _outer_step(clients, 0, 0.0)
+        for step in (1, 2):
+            _outer_step(clients, step, 0.3)
+        late = _admit(coordinator, clients, 3)  # node-0 is its donor; node-0 hangs, the joiner leaves
+        late.close()
+        start = time.monotonic()
+        decisions = run_threads([lambda c=c: c.commit(3, 0, False) for c in clients[1:]])
+        assert decisions == [False, False] and time.monotonic() - start < 2.0
+        assert sorted(coordinator.evictions) == ["late", "node-0"]
+        _close(clients)
+    finally:
+        coordinator.stop()

@@ -82,6 +82,7 @@ class MeshClient:
         # restarted coordinator learns the run's terms from its members
         self.evicted = False
         self._applied_at: float | None = None  # when the last outer step this node took part in was applied
+        self._compute_s: float | None = None  # how long it then computed until its next sync (commits carry it too)
         self._secret = AuthConfig(run_id=config.run_id, secret_file=config.secret_file).load_secret()
         self._ctx = zmq.Context()
         self._req_ids = itertools.count(1)
@@ -169,7 +170,7 @@ class MeshClient:
         if attempt == 0 and self._applied_at is not None:
             # How long this node computed since its last outer step was applied: the coordinator's straggler
             # deadline, kept across a coordinator restart (its state is soft).
-            extra["compute_s"] = time.monotonic() - self._applied_at
+            self._compute_s = extra["compute_s"] = time.monotonic() - self._applied_at
         self._applied_at = None
         if stateless:
             extra["stateless"] = True
@@ -198,7 +199,8 @@ class MeshClient:
         """Report this node's all-reduce outcome; True when every member succeeded (apply it)."""
         deadline = time.monotonic() + self.config.sync_timeout_s
         with self._lock:
-            reply = self._request(self._sock, "commit", deadline, step=step, attempt=attempt, ok=ok)
+            timed = {"compute_s": self._compute_s} if self._compute_s is not None else {}
+            reply = self._request(self._sock, "commit", deadline, step=step, attempt=attempt, ok=ok, **timed)
         if reply["apply"]:
             self._applied_at = time.monotonic()
         return bool(reply["apply"])

@@ -347,6 +347,8 @@ class Coordinator:
             # A coordinator that restarted mid-commit: the members re-form the committee as they report.
             committee = self._committee = Committee(step=key[0], attempt=key[1], members=frozenset(self.members))
         committee.reported_at.setdefault(message["node"], time.monotonic())
+        if not self._compute_s and message.get("compute_s") is not None:
+            self._compute_s.append(float(message["compute_s"]))  # restarted mid-commit: the nodes' own timing
         committee.reports[message["node"]] = message["ok"]
         committee.waiting[message["node"]] = (route, message["req"])
         return None
@@ -539,16 +541,21 @@ class Coordinator:
         barrier. Its ring's members fail the all-reduce without it (a group not built, a peer that stopped), so they
         report soon after one another. In a try that admitted nodes, the donor and the new nodes are timed among
         themselves: in blocking recovery they report only once the transfer is over, which may take longer than an
-        outer step, so until one of them has reported they are waited for up to the sync-timeout bound."""
+        outer step, so until another of them has reported (or all others are gone) they are waited for up to the
+        sync-timeout bound."""
         if not committee.reported_at:
             return
         party = set(self._view_new) | ({self._view_donor} if self._view_donor else set())
-        party_reports = [t for m, t in committee.reported_at.items() if m in party]
         first, deadline_s = min(committee.reported_at.values()), self.straggler_deadline_s()
         for m in committee.members:
             if m not in self.nodes or m in committee.reports:
                 continue
-            since = first if m not in party else min(party_reports) if party_reports else None
+            since: float | None = first
+            if m in party:
+                others = party - {m}
+                reported = [committee.reported_at[o] for o in others if o in committee.reported_at]
+                # Timed from the others' first report; with none, only once they are all gone (nothing to transfer).
+                since = min(reported) if reported else None if any(o in self.nodes for o in others) else first
             if now - first > self.config.straggler_timeout_s or (since is not None and now - since > deadline_s):
                 self._remove(m, f"alive but did not report on the all-reduce of outer step {committee.step} "
                                 f"{now - first:.0f}s after the first member did (a process of it hung after the "
