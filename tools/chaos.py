@@ -93,7 +93,7 @@ from openprime.core.errors import ConfigError
 from openprime.mesh import MeshConfig
 from openprime.train.config import RunConfig
 from openprime.train.data import prepare_data
-from openprime.train.launcher import Launcher, output_to, write_run_files
+from openprime.train.launcher import STACKS_SIGNAL, Launcher, output_to, write_run_files
 from openprime.train.metrics import METRICS_FILE, MetricsTail, read_records
 from openprime.train.recipe import loaded_recipe_files, recipe_config
 from openprime.train.testing import free_port
@@ -449,12 +449,24 @@ class Phase:
                 dumped = self.last_outer
                 say(self.t0, f"{self.name}: !! no outer step applied for {now - self.last_outer_at:.0f}s; the nodes' "
                              f"stacks go to {self.node_log or 'their output'}")
-                with output_to(self.node_log):
-                    self.launcher.dump_stacks()
+                self.dump_stacks()
             time.sleep(0.2)
         self.observe()
         self.result.window_s = time.time() - self.t0
         self.result.alive_at_end = len(self.live())
+
+    def dump_stacks(self) -> None:
+        """Every live node process's thread stacks into the nodes' log, one process at a time (they would mix)."""
+        assert self.launcher is not None
+        with output_to(self.node_log):
+            for node, procs in self.launcher.local_procs.items():
+                for rank, proc in enumerate(procs):
+                    if proc.is_alive() and proc.pid is not None:
+                        frozen = " (SIGSTOPped: prints when it continues)" if self.frozen.get(node) == proc.pid else ""
+                        print(f"== stacks of node {node} local rank {rank}, pid {proc.pid}{frozen}", flush=True)
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(proc.pid, STACKS_SIGNAL)
+                        time.sleep(0.5)  # faulthandler writes from its signal handler
 
     def status(self) -> None:
         live, frozen = self.live(), sorted(self.frozen)
