@@ -2,6 +2,7 @@
 the deathrattle, joins at outer steps, skipping after failed tries, a restarted coordinator, and
 hash disagreement. Fast: heartbeats every 0.1 s."""
 
+import contextlib
 import socket
 import time
 
@@ -535,16 +536,28 @@ def _outer_step(clients, step, compute_s):
     return views
 
 
+TIMED = attrs.evolve(FAST, sync_timeout_s=10.0, min_straggler_s=0.2)  # the straggler bound: 9.4 s
+
+
+@contextlib.contextmanager
+def _timed_run(num_nodes, compute_s, config=TIMED):
+    """A coordinator and `num_nodes` clients after outer step 0 and one timed outer step per `compute_s` entry;
+    yields (coordinator, clients) and stops the coordinator at the end."""
+    coordinator = Coordinator(config).start()
+    try:
+        clients = _clients(coordinator, num_nodes, config)
+        _outer_step(clients, 0, 0.0)
+        for step, seconds in enumerate(compute_s, start=1):
+            _outer_step(clients, step, seconds)
+        yield coordinator, clients
+    finally:
+        coordinator.stop()
+
+
 def test_a_straggler_is_evicted_once_it_is_an_outer_steps_compute_late_not_at_the_sync_timeout():
     # A hung process on a node that heartbeats used to hold every node until straggler_timeout_s (two hours by
     # default). Once outer steps have been timed, the barrier waits for a member only as long as they take.
-    config = attrs.evolve(FAST, sync_timeout_s=10.0, min_straggler_s=0.2)  # the bound: 9.4 s
-    coordinator = Coordinator(config).start()
-    try:
-        clients = _clients(coordinator, 3, config)
-        _outer_step(clients, 0, 0.0)
-        for step in (1, 2):
-            _outer_step(clients, step, 0.4)  # timed: about 0.4 s from the commit to the first arrival
+    with _timed_run(3, (0.4, 0.4)) as (coordinator, clients):  # about 0.4 s from a commit to the next arrival
         assert 0.4 <= coordinator.straggler_deadline_s() < 1.0
         start = time.monotonic()
         views = run_threads([lambda c=c: c.sync(3) for c in clients[:2]])  # node-2 hangs; its heartbeats go on
@@ -555,23 +568,16 @@ def test_a_straggler_is_evicted_once_it_is_an_outer_steps_compute_late_not_at_th
         with pytest.raises(Evicted):
             clients[2].sync(3)
         _close(clients)
-    finally:
-        coordinator.stop()
 
 
 def test_after_a_view_that_admitted_a_node_its_donor_is_waited_for_and_the_joiners_early_arrival_starts_no_clock():
     # In non-blocking recovery the donor sends the state after the commit and comes to the next barrier only once
     # that is done (INTELLECT-1's transfers took 30-60 minutes, longer than an outer step), and the joiner, which
     # sits that step out, comes at once. Neither may make a healthy member look like a straggler.
-    config = attrs.evolve(FAST, sync_timeout_s=3.0, min_straggler_s=0.2)  # the bound: 2.4 s
-    coordinator = Coordinator(config).start()
-    try:
-        clients = _clients(coordinator, 3, config)
-        _outer_step(clients, 0, 0.0)
-        _outer_step(clients, 1, 0.3)
+    with _timed_run(3, (0.3,), attrs.evolve(TIMED, sync_timeout_s=3.0)) as (coordinator, clients):  # bound: 2.4 s
         late = _admit(coordinator, clients, 2)
         assert run_threads([lambda c=c: c.commit(2, 0, True) for c in [*clients, late]]) == [True] * 4
-        assert coordinator.straggler_deadline_s("node-0") == config.straggler_timeout_s  # the donor (elastic.py)
+        assert coordinator.straggler_deadline_s("node-0") == coordinator.config.straggler_timeout_s  # the donor
         assert coordinator.straggler_deadline_s("node-1") < 1.0
 
         def arrive(client, after_s):
@@ -585,8 +591,6 @@ def test_after_a_view_that_admitted_a_node_its_donor_is_waited_for_and_the_joine
         assert coordinator.evictions == ["node-2"]
         assert all(v.members == ("node-0", "node-1", "late") for v in views), views
         _close([*clients, late])
-    finally:
-        coordinator.stop()
 
 
 def test_a_member_that_never_reports_on_its_all_reduce_is_evicted_and_the_others_retry_without_it():
@@ -594,19 +598,13 @@ def test_a_member_that_never_reports_on_its_all_reduce_is_evicted_and_the_others
     # reached the barrier. The node was in the view, never built its group and never reported on the all-reduce;
     # the others, whose all-reduce failed without it, waited for the decision until the end of the run (their sync
     # timeout: two hours by default).
-    config = attrs.evolve(FAST, sync_timeout_s=10.0, min_straggler_s=0.2)  # the bound: 9.4 s
-    coordinator = Coordinator(config).start()
-    try:
-        clients = _clients(coordinator, 3, config)
-        _outer_step(clients, 0, 0.0)
-        for step in (1, 2):
-            _outer_step(clients, step, 0.3)
+    with _timed_run(3, (0.3, 0.3)) as (coordinator, clients):
         views = run_threads([lambda c=c: c.sync(3) for c in clients])  # all three at the barrier; then node-2 hangs
         assert views[0].members == ("node-0", "node-1", "node-2")
         start = time.monotonic()
         decisions = run_threads([lambda c=c: c.commit(3, 0, False) for c in clients[:2]])
         waited = time.monotonic() - start
-        assert decisions == [False, False] and 0.3 <= waited < 2.0, (decisions, waited)
+        assert decisions == [False, False] and 0.3 <= waited < 2.0, (decisions, waited)  # the bound: 9.4 s
         assert coordinator.evictions == ["node-2"]
         views = run_threads([lambda c=c: c.sync(3, 1) for c in clients[:2]])
         assert views[0].members == ("node-0", "node-1") and not views[0].skip
@@ -614,42 +612,30 @@ def test_a_member_that_never_reports_on_its_all_reduce_is_evicted_and_the_others
         with pytest.raises(Evicted):
             clients[2].commit(3, 0, False)
         _close(clients)
-    finally:
-        coordinator.stop()
 
 
 def test_a_restarted_coordinator_takes_the_straggler_deadline_from_what_the_nodes_measured():
     # Its own timings went with it; the nodes report how long they computed since their last applied outer step.
-    config = attrs.evolve(FAST, sync_timeout_s=10.0, min_straggler_s=0.2)  # the bound: 9.4 s
-    coordinator = Coordinator(config).start()
-    clients = _clients(coordinator, 3, config)
-    try:
-        _outer_step(clients, 0, 0.0)
-        _outer_step(clients, 1, 0.0)
+    with _timed_run(3, (0.0,)) as (coordinator, clients):
         address = coordinator.address
         coordinator.stop()
-        coordinator = Coordinator(config, bind=address).start()
-        assert coordinator.straggler_deadline_s() == config.straggler_timeout_s  # nothing timed yet
-        _outer_step(clients, 2, 0.4)  # reported: about 0.4 s (the restart's own timing would be missing)
-        assert 0.4 <= coordinator.straggler_deadline_s() < 1.0
-        start = time.monotonic()
-        views = run_threads([lambda c=c: c.sync(3) for c in clients[:2]])
-        assert views[0].members == ("node-0", "node-1") and time.monotonic() - start < 2.0
-        _close(clients)
-    finally:
-        coordinator.stop()
+        reborn = Coordinator(TIMED, bind=address).start()
+        try:
+            assert reborn.straggler_deadline_s() == TIMED.straggler_timeout_s  # nothing timed yet
+            _outer_step(clients, 2, 0.4)  # reported: about 0.4 s (the restart's own timing would be missing)
+            assert 0.4 <= reborn.straggler_deadline_s() < 1.0
+            start = time.monotonic()
+            views = run_threads([lambda c=c: c.sync(3) for c in clients[:2]])
+            assert views[0].members == ("node-0", "node-1") and time.monotonic() - start < 2.0
+            _close(clients)
+        finally:
+            reborn.stop()
 
 
 def test_in_a_try_that_admitted_a_node_a_hung_joiner_is_timed_from_its_donor_s_report():
     # In blocking recovery the donor and the joiner report only once the transfer is over: the joiner is not late
     # while its donor has not reported either; once the donor has, it is (its process hung, the transfer failed).
-    config = attrs.evolve(FAST, sync_timeout_s=10.0, min_straggler_s=0.2)  # the bound: 9.4 s
-    coordinator = Coordinator(config).start()
-    try:
-        clients = _clients(coordinator, 3, config)
-        _outer_step(clients, 0, 0.0)
-        for step in (1, 2):
-            _outer_step(clients, step, 0.3)
+    with _timed_run(3, (0.3, 0.3)) as (coordinator, clients):
         late = _admit(coordinator, clients, 3)  # node-0 is its donor (the first member that is not new)
 
         def report(client, after_s):
@@ -662,18 +648,10 @@ def test_in_a_try_that_admitted_a_node_a_hung_joiner_is_timed_from_its_donor_s_r
         assert not (d0 or d1 or d2) and coordinator.evictions == ["late"]
         assert 1.2 <= min(t0, t1, t2) < 3.0, (t0, t1, t2)  # the donor's report + about 0.3 s, not 0.3 s nor 9.4 s
         _close([*clients, late])
-    finally:
-        coordinator.stop()
 
 
 def test_in_a_try_that_admitted_a_node_a_hung_donor_whose_joiner_is_gone_is_timed_from_the_first_report():
-    config = attrs.evolve(FAST, sync_timeout_s=10.0, min_straggler_s=0.2)  # the bound: 9.4 s
-    coordinator = Coordinator(config).start()
-    try:
-        clients = _clients(coordinator, 3, config)
-        _outer_step(clients, 0, 0.0)
-        for step in (1, 2):
-            _outer_step(clients, step, 0.3)
+    with _timed_run(3, (0.3, 0.3)) as (coordinator, clients):
         late = _admit(coordinator, clients, 3)  # node-0 is its donor; node-0 hangs, the joiner leaves
         late.close()
         start = time.monotonic()
@@ -681,5 +659,3 @@ def test_in_a_try_that_admitted_a_node_a_hung_donor_whose_joiner_is_gone_is_time
         assert decisions == [False, False] and time.monotonic() - start < 2.0
         assert sorted(coordinator.evictions) == ["late", "node-0"]
         _close(clients)
-    finally:
-        coordinator.stop()
