@@ -21,7 +21,6 @@ What it decides, on one thread, between messages:
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
 import threading
@@ -38,8 +37,7 @@ from openprime.core.errors import ConfigError
 from openprime.mesh.config import MeshConfig
 from openprime.mesh.protocol import SLOTS_TERM, BadMessage, check_request, pack, unpack
 from openprime.mesh.ring_order import best_ring, ring_bottleneck
-
-NUM_COMPUTE_SAMPLES = 3  # outer steps whose longest compute time sets the straggler deadline (one fast one does not)
+from openprime.mesh.stragglers import StragglerClock
 
 log = logging.getLogger("openprime.mesh.coordinator")
 
@@ -109,18 +107,7 @@ class Coordinator:
         self.members: list[str] = []
         self.step = 0
         self._waiting: dict[str, tuple[bytes, int, dict]] = {}  # node -> (route, req, message) at the barrier
-        self._barrier_opened: float | None = None  # when the first member reached the barrier now forming
-        self._trained_arrived: float | None = None  # ... and the first that trained since the last outer step
-        # The members' compute time of recent outer steps, from an applied commit to the first arrival at the next
-        # barrier: how long a straggler is waited for (MeshConfig.straggler_deadline_s).
-        self._compute_s: collections.deque[float] = collections.deque(maxlen=NUM_COMPUTE_SAMPLES)
-        self._applied_at: float | None = None  # when the last outer step was applied, until the next barrier opens
-        # The new nodes and the donor of the view now in its all-reduce, and, once it is applied, until the next view:
-        # at that barrier a non-blocking joiner comes early (it sat out) and its donor late (it sent the state first).
-        self._view_new: frozenset[str] = frozenset()
-        self._view_donor: str | None = None
-        self._fresh: frozenset[str] = frozenset()
-        self._donor: str | None = None
+        self._clock = StragglerClock(config)  # who is late at the barrier or in the commit (stragglers.py)
         self._committee: Committee | None = None
         self._decisions: dict[tuple[int, int], bool] = {}
         self.hashes: dict[int, dict[str, str]] = {}
@@ -347,8 +334,7 @@ class Coordinator:
             # A coordinator that restarted mid-commit: the members re-form the committee as they report.
             committee = self._committee = Committee(step=key[0], attempt=key[1], members=frozenset(self.members))
         committee.reported_at.setdefault(message["node"], time.monotonic())
-        if not self._compute_s and message.get("compute_s") is not None:
-            self._compute_s.append(float(message["compute_s"]))  # restarted mid-commit: the nodes' own timing
+        self._clock.reported(message.get("compute_s"))
         committee.reports[message["node"]] = message["ok"]
         committee.waiting[message["node"]] = (route, message["req"])
         return None
@@ -386,49 +372,20 @@ class Coordinator:
                 self._remove(node, f"silent for more than {self.config.eviction_timeout_s:.1f}s")
 
     def straggler_deadline_s(self, member: str | None = None) -> float:
-        """How long after the first member this barrier waits for `member` (MeshConfig.straggler_deadline_s): the
-        longest of the recent compute times, or, for the donor of the view that admitted nodes just before, the
-        sync-timeout bound (in non-blocking recovery it sends the state before it comes to the barrier;
-        INTELLECT-1's transfers took 30-60 minutes)."""
-        known = max(self._compute_s) if self._compute_s and (self._donor is None or member != self._donor) else None
-        return self.config.straggler_deadline_s(known)
+        """How long after the first member this barrier waits for `member` (StragglerClock.deadline_s)."""
+        return self._clock.deadline_s(member)
 
     def _evict_stragglers(self, now: float) -> None:
         """Members that heartbeat but do not come to the barrier (a process of theirs hung) would hold everyone
-        until the members' sync timeout: evict them `straggler_deadline_s(m)` after the first member that trained
-        arrived (not one just admitted: it may have sat the step out), and at the latest `straggler_timeout_s`
-        after the first member at all."""
-        arrived = [m for m in self.members if m in self.nodes and m in self._waiting]
-        if not arrived:
-            self._barrier_opened = self._trained_arrived = None
-            return
-        if self._barrier_opened is None:
-            self._barrier_opened = now
-        trained = [m for m in arrived if m not in self._fresh]
-        if self._trained_arrived is None and trained:
-            self._trained_arrived = now
-            # What the nodes measured themselves (the fastest, if several came at once): kept across restarts.
-            reported = [self._waiting[m][2]["compute_s"] for m in trained if "compute_s" in self._waiting[m][2]]
-            if reported:
-                self._compute_s.append(float(min(reported)))
-            elif self._applied_at is not None:
-                self._compute_s.append(now - self._applied_at)
-            self._applied_at = None
-        known = f"{max(self._compute_s):.0f}s" if self._compute_s else "not known yet"
-        for m in self.members:
-            if m not in self.nodes or m in self._waiting:
-                continue
-            deadline_s = self.config.straggler_timeout_s
-            late = now - self._barrier_opened > deadline_s
-            if not late and self._trained_arrived is not None:
-                deadline_s = self.straggler_deadline_s(m)
-                late = now - self._trained_arrived > deadline_s
-            if late:
-                self._remove(m, f"alive but not at the outer-step barrier {deadline_s:.0f}s after the first member "
-                                f"(a straggler: a process of it hung, or it computes far slower; recent outer "
-                                f"steps' compute {known}, mesh.straggler_factor={self.config.straggler_factor:g}, "
-                                f"mesh.min_straggler_s={self.config.min_straggler_s:g}; raise the factor for "
-                                f"machines of different speeds). It rejoins as a new node")
+        until the members' sync timeout: evict them about one outer step's compute time late (stragglers.py)."""
+        arrived = {m: self._waiting[m][2] for m in self.members if m in self.nodes and m in self._waiting}
+        live = [m for m in self.members if m in self.nodes]
+        for m, deadline_s in self._clock.late_at_barrier(now, live, arrived):
+            self._remove(m, f"alive but not at the outer-step barrier {deadline_s:.0f}s after the first member (a "
+                            f"straggler: a process of it hung, or it computes far slower; recent outer steps' compute "
+                            f"{self._clock.known_compute()}, mesh.straggler_factor={self.config.straggler_factor:g}, "
+                            f"mesh.min_straggler_s={self.config.min_straggler_s:g}; raise the factor for machines of "
+                            f"different speeds). It rejoins as a new node")
 
     def _try_barrier(self) -> None:
         self._evict_stragglers(time.monotonic())
@@ -482,10 +439,7 @@ class Coordinator:
         for route, req, _ in self._waiting.values():
             self._reply(route, req, view)
         self._waiting.clear()
-        self._barrier_opened = self._trained_arrived = None
-        self._view_new = frozenset(new)
-        self._view_donor = next((m for m in members if m not in self._view_new), None) if new else None  # as elastic.py
-        self._fresh, self._donor = frozenset(), None
+        self._clock.view_formed(members, new)
         log.info("outer step %d try %d: epoch %d, %d nodes%s%s", step, attempt, self.epoch, len(members),
                  f", admitted {joiners}" if joiners and live_members else "", ", SKIPPED" if skip else "")
 
@@ -503,7 +457,7 @@ class Coordinator:
                   f"the coordinator (`openprime mesh serve`) to start a new run")
         log.error("outer step %d: %s (refused: %s)", self.step, reason, waiting)
         self._refuse_at_barrier(waiting, reason)
-        self._barrier_opened = self._trained_arrived = None
+        self._clock.barrier_reset()
 
     def _refuse_at_barrier(self, nodes: list[str], reason: str) -> None:
         """Answer these nodes' waiting syncs with a refusal (JoinRefused there) and forget them."""
@@ -535,31 +489,14 @@ class Coordinator:
         return True
 
     def _evict_silent_committee(self, committee: Committee, now: float) -> None:
-        """A member alive by its heartbeats that does not report how its all-reduce went (a process of it hung after
-        its barrier: its other ranks never built the group, or it waits on the hung one) would hold the others in
-        their commit until their sync timeout: evict it as late after the first report as a straggler at the
-        barrier. Its ring's members fail the all-reduce without it (a group not built, a peer that stopped), so they
-        report soon after one another. In a try that admitted nodes, the donor and the new nodes are timed among
-        themselves: in blocking recovery they report only once the transfer is over, which may take longer than an
-        outer step, so until another of them has reported (or all others are gone) they are waited for up to the
-        sync-timeout bound."""
-        if not committee.reported_at:
-            return
-        party = set(self._view_new) | ({self._view_donor} if self._view_donor else set())
-        first, deadline_s = min(committee.reported_at.values()), self.straggler_deadline_s()
-        for m in committee.members:
-            if m not in self.nodes or m in committee.reports:
-                continue
-            since: float | None = first
-            if m in party:
-                others = party - {m}
-                reported = [committee.reported_at[o] for o in others if o in committee.reported_at]
-                # Timed from the others' first report; with none, only once they are all gone (nothing to transfer).
-                since = min(reported) if reported else None if any(o in self.nodes for o in others) else first
-            if now - first > self.config.straggler_timeout_s or (since is not None and now - since > deadline_s):
-                self._remove(m, f"alive but did not report on the all-reduce of outer step {committee.step} "
-                                f"{now - first:.0f}s after the first member did (a process of it hung after the "
-                                f"barrier). It rejoins as a new node")
+        """A member alive by its heartbeats that does not report on its all-reduce (a process of it hung after its
+        barrier: it never built its group) would hold the others in their commit until their sync timeout: evict
+        it as late after the first report as a straggler at the barrier (stragglers.py)."""
+        first = min(committee.reported_at.values(), default=now)
+        for m in self._clock.late_in_commit(now, committee.members, committee.reported_at, self.nodes):
+            self._remove(m, f"alive but did not report on the all-reduce of outer step {committee.step} "
+                            f"{now - first:.0f}s after the first member did (a process of it hung after the "
+                            f"barrier). It rejoins as a new node")
 
     def _try_commit(self) -> None:
         committee = self._committee
@@ -574,7 +511,7 @@ class Coordinator:
         self._decisions[(committee.step, committee.attempt)] = apply
         if apply:
             self._unproven -= committee.members
-            self._applied_at, self._fresh, self._donor = time.monotonic(), self._view_new, self._view_donor
+            self._clock.applied(time.monotonic())
         elif live == committee.members:  # nobody was lost, yet a member's all-reduce failed
             self._unexplained = {committee.step: self._unexplained.get(committee.step, 0) + 1}
         for route, req in committee.waiting.values():

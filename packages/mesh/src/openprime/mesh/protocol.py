@@ -7,12 +7,12 @@ coordinator serving everyone else (DESIGN.md: PRIME's coordinator was a TCPStore
 
 Node -> coordinator (every message also carries the node's belief: epoch, members, step, slot, so a
 restarted coordinator rebuilds its state from what the nodes report):
-    join       {node, incarnation}                      -> joined {slot} | refused {reason}
-    heartbeat  {node, incarnation}                      -> ok | evicted
-    sync       {node, incarnation, step, attempt, hash, compute_s}  -> view {epoch, members, new, step, attempt, skip}
-    commit     {node, incarnation, step, attempt, ok}    -> decision {apply}
-    leave      {node, incarnation}                      -> ok          (the deathrattle)
-    status     {}                                       -> status {...} (tools and tests)
+    join       {node, incarnation}                                 -> joined {slot} | refused {reason}
+    heartbeat  {node, incarnation}                                 -> ok | evicted
+    sync       {node, incarnation, step, attempt, hash, compute_s} -> view {epoch, members, new, step, attempt, skip}
+    commit     {node, incarnation, step, attempt, ok, compute_s}   -> decision {apply}
+    leave      {node, incarnation}                                 -> ok          (the deathrattle)
+    status     {}                                                  -> status {...} (tools and tests)
 """
 
 from __future__ import annotations
