@@ -53,8 +53,8 @@ first inner step ("!!" marks something that went wrong). The closing table compa
 - longest stall: the longest time without an applied outer step (including the start and the end);
 - unexpected exits: a node that died without being killed or terminated by the harness, or exited
   with a code other than the expected one (-9 after kill, 143 after SIGTERM). See nodes.log.
-A stall half as long as `--stall` gets every node process's thread stacks printed to nodes.log (once per
-stall; openprime.train.launcher.STACKS_SIGNAL), to see where the nodes wait.
+A stall half as long as `--stall` gets every node process's thread stacks printed to nodes.log, one process at a
+time (once per stall; `Launcher.dump_stacks`), to see where the nodes wait.
 
 The fault schedule is drawn from `--seed`, but which faults are possible at a given moment depends on
 the run (how many nodes are admitted, whether the coordinator is up), so two runs with the same seed
@@ -93,7 +93,7 @@ from openprime.core.errors import ConfigError
 from openprime.mesh import MeshConfig
 from openprime.train.config import RunConfig
 from openprime.train.data import prepare_data
-from openprime.train.launcher import STACKS_SIGNAL, Launcher, output_to, write_run_files
+from openprime.train.launcher import Launcher, output_to, write_run_files
 from openprime.train.metrics import METRICS_FILE, MetricsTail, read_records
 from openprime.train.recipe import loaded_recipe_files, recipe_config
 from openprime.train.testing import free_port
@@ -447,26 +447,15 @@ class Phase:
                 next_status = now + 15
             if self.last_outer_at and now - self.last_outer_at > self.stall_s / 2 and dumped != self.last_outer:
                 dumped = self.last_outer
+                stopped = f" (stopped now: pids {sorted(self.frozen.values())})" if self.frozen else ""
                 say(self.t0, f"{self.name}: !! no outer step applied for {now - self.last_outer_at:.0f}s; the nodes' "
-                             f"stacks go to {self.node_log or 'their output'}")
-                self.dump_stacks()
+                             f"stacks go to {self.node_log or 'their output'}{stopped}")
+                with output_to(self.node_log):
+                    self.launcher.dump_stacks()
             time.sleep(0.2)
         self.observe()
         self.result.window_s = time.time() - self.t0
         self.result.alive_at_end = len(self.live())
-
-    def dump_stacks(self) -> None:
-        """Every live node process's thread stacks into the nodes' log, one process at a time (they would mix)."""
-        assert self.launcher is not None
-        with output_to(self.node_log):
-            for node, procs in self.launcher.local_procs.items():
-                for rank, proc in enumerate(procs):
-                    if proc.is_alive() and proc.pid is not None:
-                        frozen = " (SIGSTOPped: prints when it continues)" if self.frozen.get(node) == proc.pid else ""
-                        print(f"== stacks of node {node} local rank {rank}, pid {proc.pid}{frozen}", flush=True)
-                        with contextlib.suppress(ProcessLookupError):
-                            os.kill(proc.pid, STACKS_SIGNAL)
-                        time.sleep(0.5)  # faulthandler writes from its signal handler
 
     def status(self) -> None:
         live, frozen = self.live(), sorted(self.frozen)

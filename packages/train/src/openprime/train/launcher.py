@@ -340,17 +340,20 @@ class Launcher:
     def _alive(self) -> list[mp.process.BaseProcess]:
         return [p for procs in self.local_procs.values() for p in procs if p.is_alive()]
 
-    def dump_stacks(self, settle_s: float = 1.0) -> list[str]:
-        """Ask every live node process for its threads' stacks (STACKS_SIGNAL); returns the processes asked."""
+    def dump_stacks(self, settle_s: float = 0.5) -> list[str]:
+        """Ask every live node process for its threads' stacks (STACKS_SIGNAL), one at a time under a line naming it
+        (asked all at once, processes sharing an output wrote their stacks into one another); returns the processes
+        asked. A process that is stopped (SIGSTOP) prints when it continues."""
         asked = []
         for p in self._alive():
+            print(f"== stacks of {p.name}, pid {p.pid}:", file=sys.stderr, flush=True)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p.pid, STACKS_SIGNAL)
                 asked.append(p.name)
+                time.sleep(settle_s)  # faulthandler writes from the signal handler; give it a moment
         if asked:
             print(f"openprime: still running, stacks printed to their output: {', '.join(asked)}", file=sys.stderr,
                   flush=True)
-            time.sleep(settle_s)  # faulthandler writes from the signal handler; give it a moment
         return asked
 
     def stop(self) -> None:
