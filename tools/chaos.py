@@ -107,6 +107,13 @@ TERM_TIMEOUT_S = 30.0
 COORDINATOR_START_TIMEOUT_S = 60.0
 
 
+def signal_pid(pid: int | None, sig: signal.Signals) -> None:
+    """Send `sig` to a process that may have exited meanwhile."""
+    if pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
 def say(t0: float | None, line: str) -> None:
     stamp = f"[{time.time() - t0:6.1f}s]" if t0 is not None else "[   ---]"
     print(f"{stamp} {line}", flush=True)
@@ -255,11 +262,9 @@ class Phase:
         return node
 
     def signal_node(self, node: int, sig: signal.Signals) -> None:
+        """Signal the node's local rank 0 (the process that heartbeats)."""
         assert self.launcher is not None
-        pid = self.launcher.procs[node].pid
-        if pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
+        signal_pid(self.launcher.procs[node].pid, sig)
 
     # ------------------------------------------------------------------ events
 
@@ -278,8 +283,7 @@ class Phase:
     def thaw(self, node: int) -> None:
         pid = self.frozen.pop(node, None)
         if pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
+            signal_pid(pid, signal.SIGCONT)
             stopped_s = time.time() - self.stopped_at[node]
             say(self.t0, f"{self.name}: SIGCONT node {node} (pid {pid}, stopped {stopped_s:.1f}s); it should find "
                          "itself evicted and rejoin")
@@ -359,8 +363,7 @@ class Phase:
             self.stopped_at[node] = time.time()
             self.num_stops[node] += 1
             self.established.discard(node)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGSTOP)
+            signal_pid(pid, signal.SIGSTOP)
             self.later(freeze_s, lambda: self.thaw(node))
         label = {"kill": "kill -9", "term": "SIGTERM", "stop": "SIGSTOP", "hang": "SIGSTOP of local rank 1 of"}[kind]
         extra = f" for {freeze_s:.1f}s" if kind in ("stop", "hang") else ""
@@ -467,8 +470,7 @@ class Phase:
         """SIGCONT the frozen, SIGTERM every node, kill -9 what is left after a bounded wait; stop the coordinator."""
         if self.launcher is not None:
             for node in list(self.frozen):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(self.frozen.pop(node), signal.SIGCONT)
+                signal_pid(self.frozen.pop(node), signal.SIGCONT)
             alive = [n for n, p in self.launcher.procs.items() if p.is_alive()]
             for node in alive:
                 if node not in self.fate:  # a second SIGTERM could land in an exiting interpreter: no handler
