@@ -492,10 +492,9 @@ class Coordinator:
         """A member alive by its heartbeats that does not report on its all-reduce (a process of it hung after its
         barrier: it never built its group) would hold the others in their commit until their sync timeout: evict
         it as late after the first report as a straggler at the barrier (stragglers.py)."""
-        first = min(committee.reported_at.values(), default=now)
-        for m in self._clock.late_in_commit(now, committee.members, committee.reported_at, self.nodes):
+        for m, waited_s in self._clock.late_in_commit(now, committee.members, committee.reported_at, self.nodes):
             self._remove(m, f"alive but did not report on the all-reduce of outer step {committee.step} "
-                            f"{now - first:.0f}s after the first member did (a process of it hung after the "
+                            f"{waited_s:.0f}s after the first member did (a process of it hung after the "
                             f"barrier). It rejoins as a new node")
 
     def _try_commit(self) -> None:

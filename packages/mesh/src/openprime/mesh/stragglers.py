@@ -108,10 +108,11 @@ class StragglerClock:
         return late
 
     def late_in_commit(self, now: float, members: Collection[str], reported_at: Mapping[str, float],
-                       alive: Collection[str]) -> list[str]:
-        """The live `members` that have not reported on the all-reduce (`reported_at`: member -> when) and are late:
-        `deadline_s()` after the first report, the donor and new nodes of a try that admitted nodes after another
-        of them reported (or once all of those others are gone), and anyone at the latest the bound after it."""
+                       alive: Collection[str]) -> list[tuple[str, float]]:
+        """The live `members` that have not reported on the all-reduce (`reported_at`: member -> when) and are late,
+        with the seconds since the first report: `deadline_s()` after it, the donor and new nodes of a try that
+        admitted nodes after another of them reported (or once all of those others are gone), and anyone at the
+        latest the bound after it."""
         if not reported_at:
             return []
         party = set(self._view_new) | ({self._view_donor} if self._view_donor else set())
@@ -126,5 +127,5 @@ class StragglerClock:
                 reported = [reported_at[o] for o in others if o in reported_at]
                 since = min(reported) if reported else None if any(o in alive for o in others) else first
             if now - first > self.config.straggler_timeout_s or (since is not None and now - since > deadline_s):
-                late.append(m)
+                late.append((m, now - first))
         return late
