@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 
@@ -12,11 +13,13 @@ from openprime.core import digest
 from openprime.core.errors import PeerFailure
 from openprime.core.state_transfer import (
     CHUNK_BYTES,
+    IN_FLIGHT,
     TAG_STATE,
     StateCorrupt,
     StateFetch,
     StateOffer,
     default_chunk_bytes,
+    num_messages,
     send_state,
 )
 from openprime.core.testing import ForwardingTransport, local_group, run_threads
@@ -99,6 +102,75 @@ def test_a_dead_donor_is_replaced_and_only_the_missing_chunks_travel():
     assert complete and report.num_chunks == layout.num_chunks - len(kept)
     for name, t in {**shared_state(), **own_state(2)}.items():  # the own state is the second donor's, whole
         assert torch.equal(fetch.tensors[name], t), name
+
+
+class Paced(ForwardingTransport):
+    """A donor's link that carries a state chunk every `delay_s`, and none after `stall_after` chunks (a donor
+    whose process froze: no error, no close) until `released`."""
+
+    def __init__(self, inner: Transport, delay_s: float, stall_after: int | None = None) -> None:
+        super().__init__(inner)
+        self.delay_s, self.stall_after, self.count = delay_s, stall_after, 0
+        self.released = threading.Event()
+
+    def isend(self, peer: int, tag: int, buffers: Sequence[torch.Tensor], *, deadline: float) -> Handle:
+        if tag == TAG_STATE:
+            if self.count == self.stall_after:
+                self.released.wait(timeout=30)
+                raise PeerFailure(peer, "this donor was frozen")
+            self.count += 1
+            time.sleep(self.delay_s)
+        return super().isend(peer, tag, buffers, deadline=deadline)
+
+
+def test_with_op_s_a_transfer_that_moves_outlasts_its_deadline_and_one_that_stalls_fails_within_a_few_op_s():
+    # 12 chunks, one every 0.08 s: about 1 s, twice the 0.5 s deadline, which bounds only the offer and the
+    # answer; each chunk has IN_FLIGHT x op_s = 0.9 s from when it is posted.
+    donor_t, joiner_t = local_group(2)
+    fetch = StateFetch()
+    start = time.monotonic()
+    deadline = start + 0.5
+    report, complete = run_threads([
+        lambda: send_state(Paced(donor_t, 0.08), 1, offer("A", 1), deadline=deadline, op_s=0.3),
+        lambda: fetch.fetch(joiner_t, 0, deadline=deadline, op_s=0.3)])
+    assert complete and report.num_chunks == 12 and time.monotonic() - start > 0.9
+    # Without op_s the same transfer is cut at its deadline.
+    donor_t, joiner_t = local_group(2)
+    fetch = StateFetch()
+    deadline = time.monotonic() + 0.5
+    with pytest.raises(PeerFailure, match="deadline"):
+        run_threads([lambda: send_state(Paced(donor_t, 0.08), 1, offer("A", 1), deadline=deadline),
+                     lambda: fetch.fetch(joiner_t, 0, deadline=deadline)])
+    assert 0 < len(fetch.received) < 12
+    # A donor that stops sending after 5 chunks: the joiner gives up within about IN_FLIGHT x op_s of the last
+    # chunk, not at the far deadline, and keeps the 5 chunks for the next donor.
+    donor_t, joiner_t = local_group(2)
+    fetch, frozen = StateFetch(), Paced(donor_t, 0.0, stall_after=5)
+    deadline = time.monotonic() + 60
+    outcome = {}
+
+    def joiner():
+        start = time.monotonic()
+        with pytest.raises(PeerFailure, match="deadline"):
+            fetch.fetch(joiner_t, 0, deadline=deadline, op_s=0.3)
+        outcome["gave up after"] = time.monotonic() - start
+        frozen.released.set()
+
+    def donor():
+        with pytest.raises(PeerFailure, match="frozen"):
+            send_state(frozen, 1, offer("A", 1), deadline=deadline, op_s=0.3)
+
+    run_threads([donor, joiner])
+    assert IN_FLIGHT * 0.3 - 0.05 < outcome["gave up after"] < 3.0 and fetch.received == set(range(5))
+
+
+def test_a_transfer_s_messages_are_its_chunks_and_the_offer_and_answer():
+    assert num_messages(100 << 20, 0) == 4 + 8  # under 8 x 64 MiB: 8 chunks
+    assert num_messages(20 << 30, 20 << 30) == 4 + 2 * 320  # chunks of 64 MiB
+    state = {**shared_state(), **own_state(1)}
+    shared_bytes = sum(t.nbytes for t in shared_state().values())
+    layout = StateOffer(step=0, origin="A", state_hash="h", shared=shared_state(), own=own_state(1)).layout
+    assert num_messages(shared_bytes, sum(t.nbytes for t in state.values()) - shared_bytes) == 4 + layout.num_chunks
 
 
 def test_a_corrupt_chunk_is_detected_and_fetched_again():

@@ -8,13 +8,15 @@ step with exactly the others' global state hash and the donor's optimizer state.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
 
 from openprime.core import digest
 from openprime.core.membership import Membership, Round
-from openprime.core.testing import local_group, run_threads
+from openprime.core.state_transfer import TAG_STATE
+from openprime.core.testing import ForwardingTransport, local_group, run_threads
 from openprime.core.timeouts import Timeouts
 from openprime.core.transport import as_bytes
 from openprime.diloco import DiLoCo, DiLoCoConfig, ExtraState, OuterOptimizer, RecoveryMode
@@ -121,3 +123,45 @@ def test_the_state_hash_keeps_its_piece_digests_until_theta_or_momentum_are_writ
     assert state.state_hash() != h and state.shared_digests() is not None
     state.theta[:10].copy_(torch.zeros(10))  # through a view: views share the version counter
     assert state.shared_digests() is None
+
+
+class SlowChunks(ForwardingTransport):
+    """A donor's link that carries one state chunk every `delay_s`: a large state over a slow WAN, in miniature."""
+
+    def __init__(self, inner, delay_s: float) -> None:
+        super().__init__(inner)
+        self.delay_s = delay_s
+
+    def isend(self, peer, tag, buffers, *, deadline):
+        if tag == TAG_STATE:
+            time.sleep(self.delay_s)
+        return super().isend(peer, tag, buffers, deadline=deadline)
+
+
+@pytest.mark.parametrize("mode", [RecoveryMode.BLOCKING, RecoveryMode.NON_BLOCKING])
+def test_a_transfer_longer_than_an_all_reduce_deadline_completes(mode):
+    # Just under 2^20 parameters: theta and momentum are 8 chunks of 1 MiB (and one of the optimizer state), each
+    # 0.15 s on the wire: 1.35 s, where the all-reduce's deadline, 2(n-1) x op_s, is 1 s. Until 2026-12-04 the
+    # whole transfer had that deadline: a state that needs longer than the tries allow was never delivered
+    # (at INTELLECT-1's size: 20 GB per rank, 30-60 minutes, against 4 minutes for 2 nodes at op_s = 120 s),
+    # and in blocking mode every outer step was skipped while the joiner lived.
+    Admits.stateless, Admits.step = {}, 2
+    n = (1 << 20) - 4096
+    theta0 = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    config = DiLoCoConfig(num_inner_steps=5, recovery=mode)
+    timeouts = Timeouts(op_s=0.25)
+    assert timeouts.collective_s(3) == 1.0
+    local, barrier = local_group(3), threading.Barrier(3)
+    transports = [SlowChunks(local[0], 0.15), local[1], local[2]]
+    params = [torch.nn.Parameter(theta0.clone() if r < 2 else torch.zeros(n)) for r in range(3)]
+    dilocos = [DiLoCo([params[r]], config=config, timeouts=timeouts, membership=Admits(t, barrier),
+                      joining=r == 2, extra=FakeOptimizer(float(r + 1))) for r, t in enumerate(transports)]
+    for d in dilocos[:2]:
+        d.num_outer_steps_done, d.num_inner_steps_done = 2, 15
+    start = time.monotonic()
+    results = run_threads([dilocos[0].sync, dilocos[1].sync, lambda: dilocos[2].sync(contribute=False)])
+    dilocos[0].recovery.finish_background()
+    assert dilocos[2].has_state and results[2].received_state
+    assert len({r.state_hash for r in results}) == 1 and [r.num_tries for r in results] == [1, 1, 1]
+    assert time.monotonic() - start > 1.3  # the transfer did take longer than the all-reduce's deadline
+    assert torch.equal(dilocos[2].state.theta, dilocos[0].state.theta)

@@ -181,6 +181,19 @@ class _Layout:
         return out
 
 
+def chunk_deadline(deadline: float, op_s: float | None) -> float:
+    """The deadline of a chunk posted now: `deadline`, or with `op_s`, IN_FLIGHT x op_s from now (the chunks
+    posted before it go first, each one operation)."""
+    return deadline if op_s is None else time.monotonic() + IN_FLIGHT * op_s
+
+
+def num_messages(shared_bytes: int, own_bytes: int, piece_bytes: int = digest.PIECE_BYTES) -> int:
+    """The messages of a whole transfer of that much state: the offer and the answer (a length, then the body,
+    each) and the chunks, cut as `StateOffer` cuts them."""
+    chunk_bytes = default_chunk_bytes(shared_bytes + own_bytes, piece_bytes)
+    return 4 + -(-shared_bytes // chunk_bytes) + -(-own_bytes // chunk_bytes)
+
+
 def _digests(views: Sequence[torch.Tensor], piece_bytes: int) -> np.ndarray:
     """The XXH3-64 digests of a chunk's pieces (its checksum is made of them)."""
     return digest.piece_digests(views, piece_bytes=piece_bytes)
@@ -219,10 +232,14 @@ class SendReport:
     later: bool  # the joiner asked for the rest after the outer step (non-blocking recovery)
 
 
-def send_state(transport: Transport, peer: int, offer: StateOffer, *, deadline: float,
+def send_state(transport: Transport, peer: int, offer: StateOffer, *, deadline: float, op_s: float | None = None,
                only_header: bool = False) -> SendReport:
     """Donor side: offer the state, then send the chunks the joiner asks for (IN_FLIGHT of them while the
-    next one's checksum is made). `only_header`: offer it, but send no chunk now even if asked."""
+    next one's checksum is made). `only_header`: offer it, but send no chunk now even if asked.
+
+    `deadline` bounds the offer and the joiner's answer; with `op_s` every chunk then has a deadline of its own
+    (`chunk_deadline`), so a transfer that moves is never cut short however long the state takes, and one that
+    stalls fails within IN_FLIGHT x op_s. Without `op_s`, `deadline` bounds the whole transfer."""
     start = time.monotonic()
     _send_packed(transport, peer, TAG_STATE_OFFER, offer.header, deadline)
     want = _recv_packed(transport, peer, TAG_STATE_WANT, deadline, MAX_OFFER_BYTES)
@@ -236,7 +253,7 @@ def send_state(transport: Transport, peer: int, offer: StateOffer, *, deadline: 
         header = torch.tensor([i, digest.checksum(offer.chunk_digests(i))], dtype=torch.int64)
         if len(in_flight) == IN_FLIGHT:
             in_flight.popleft().wait()
-        in_flight.append(transport.isend(peer, TAG_STATE, [header, *views], deadline=deadline))
+        in_flight.append(transport.isend(peer, TAG_STATE, [header, *views], deadline=chunk_deadline(deadline, op_s)))
         sent += sum(v.numel() for v in views)
     while in_flight:
         in_flight.popleft().wait()
@@ -278,9 +295,12 @@ class StateFetch:
         parts = [self._shared_digests[i] for i in range(self._layout.num_shared_chunks)]
         return np.concatenate(parts) if parts else np.empty(0, dtype=np.uint64)
 
-    def fetch(self, transport: Transport, donor: int, *, deadline: float, later: bool = False,
-              expected_hash: str | None = None) -> bool:
+    def fetch(self, transport: Transport, donor: int, *, deadline: float, op_s: float | None = None,
+              later: bool = False, expected_hash: str | None = None) -> bool:
         """Take the donor's offer and the chunks still missing; returns whether the state is complete.
+
+        `deadline` bounds the wait for the offer (the donor may serve other joiners first) and the answer to it;
+        with `op_s` each chunk then has a deadline of its own (`chunk_deadline`), as in `send_state`.
 
         With `later` the joiner asks for nothing now unless it already holds part of this very offer
         (then it finishes it now). An offer whose state hash is not `expected_hash` (the one the members
@@ -304,7 +324,7 @@ class StateFetch:
         def post(k: int) -> None:
             if k < len(now):
                 posted.append(transport.irecv(donor, TAG_STATE, [headers[k], *self._layout.views(views, now[k])],
-                                              deadline=deadline))
+                                              deadline=chunk_deadline(deadline, op_s)))
 
         for k in range(IN_FLIGHT):
             post(k)

@@ -22,4 +22,10 @@ class Timeouts:
 
     def collective_s(self, world_size: int) -> float:
         """Deadline of a ring collective: 2(n-1) sequential steps, each one operation."""
-        return self.op_s * max(1, 2 * (world_size - 1))
+        return self.transfer_s(2 * (world_size - 1))
+
+    def transfer_s(self, num_messages: int) -> float:
+        """Deadline of `num_messages` messages sent one after another (a live-recovery state transfer: its chunks),
+        each one operation. A 10B model's state is about 20 GB a rank: 300 chunks of 64 MiB, 10 hours at the
+        default op_s; a transfer that moves is never cut short by it, one that stalls fails within a few op_s."""
+        return self.op_s * max(1, num_messages)

@@ -150,6 +150,11 @@ class DiLoCo:
     def _deadline(self, transport: Transport) -> float:
         return time.monotonic() + self.timeouts.collective_s(transport.world_size)
 
+    def _after_transfers(self, rnd: Round, num_before: int) -> float:
+        """A collective's deadline plus `num_before` state transfers (Recovery.transfer_s): a joiner's wait for
+        its offer (the donor serves the new ranks in order), and every member's wait for a try's transfers."""
+        return self._deadline(rnd.transport) + num_before * self.recovery.transfer_s(self.timeouts)
+
     def sit_out(self) -> OuterStepResult:
         """A non-blocking joiner that just got the state: count the outer step's inner steps it did not train
         and take part in that outer step with a zero pseudo-gradient (paper, section 2.2)."""
@@ -218,7 +223,9 @@ class DiLoCo:
                 contributing = False
             if not contributing:
                 delta.zero_()
-            flags = all_gather_object(t, contributing, deadline=self._deadline(t))
+            # Everyone waits here for the transfers of the try (blocking recovery, or a non-blocking joiner
+            # finishing a background transfer that broke): each is bounded while it moves, not cut short.
+            flags = all_gather_object(t, contributing, deadline=self._after_transfers(rnd, len(rnd.new_ranks)))
             self._contributed = contributing
             reduce_start = time.monotonic()
             # No backup copy of delta: a failed try recomputes it from theta and the parameters.
@@ -237,25 +244,27 @@ class DiLoCo:
     def _transfer_state(self, rnd: Round) -> None:
         """In the try: the donor offers the state to the members without it; blocking joiners take it now."""
         t = rnd.transport
-        deadline = self._deadline(t)
         if t.rank == rnd.donor_rank:
-            self._donate_later = self.recovery.donate(t, rnd.new_ranks, deadline=deadline, counters=self._counters(),
-                                                      state_hash=self._last_hash)
+            self._donate_later = self.recovery.donate(t, rnd.new_ranks, timeouts=self.timeouts,
+                                                      counters=self._counters(), state_hash=self._last_hash)
         elif t.rank in rnd.new_ranks and not self.has_state:
             later = self.config.recovery is RecoveryMode.NON_BLOCKING
-            self._install(self.recovery.receive(t, rnd.donor_rank, deadline=deadline, later=later,
-                                                expected_hash=rnd.state_hash))
+            before = rnd.new_ranks.index(t.rank)  # the donor serves the new ranks in order
+            self._install(self.recovery.receive(t, rnd.donor_rank, deadline=self._after_transfers(rnd, before),
+                                                op_s=self.timeouts.op_s, later=later, expected_hash=rnd.state_hash))
 
     def _after_commit(self, rnd: Round) -> None:
         """Non-blocking recovery: the donor sends the new state in the background; the joiner receives it."""
         t = rnd.transport
         if self._donate_later:
             ranks, self._donate_later = self._donate_later, []
-            self.recovery.donate_later(t, ranks, deadline=self._deadline(t), counters=self._counters(),
+            self.recovery.donate_later(t, ranks, timeouts=self.timeouts, counters=self._counters(),
                                        state_hash=self._last_hash)
         elif t.rank in rnd.new_ranks and not self.has_state and self.config.recovery is RecoveryMode.NON_BLOCKING:
             try:
-                self._install(self.recovery.receive(t, rnd.donor_rank, deadline=self._deadline(t), later=False,
+                before = rnd.new_ranks.index(t.rank)  # the donor sends to the new ranks in order
+                self._install(self.recovery.receive(t, rnd.donor_rank, deadline=self._after_transfers(rnd, before),
+                                                    op_s=self.timeouts.op_s, later=False,
                                                     expected_hash=self._agreed_hash))
                 self.behind = self.has_state
             except (PeerFailure, StateCorrupt) as e:  # the next barrier finds it without state again

@@ -17,6 +17,13 @@ Two modes (DiLoCoConfig.recovery):
   mid-transfer, the joiner reports no state at the next barrier and finishes from the next donor
   (in the try, the remaining chunks only). If the joiner dies, the donor's background send fails, is
   logged, and nothing else happens.
+
+Deadlines (openprime.core.timeouts): the offer and the joiner's answer have a collective's; then each chunk has
+IN_FLIGHT x op_s from when it is posted (state_transfer.chunk_deadline). A transfer that moves is never cut
+short, however long the state takes (INTELLECT-1: 30-60 minutes; until 2026-12-04 the whole transfer had one
+all-reduce's deadline, 4 minutes for 2 nodes at op_s = 120 s, so a large state never arrived and, in blocking
+mode, every outer step was skipped while the joiner lived), and one that stalls fails within IN_FLIGHT x op_s.
+Members that wait for a try's transfers allow `Recovery.transfer_s` for each.
 """
 
 from __future__ import annotations
@@ -32,7 +39,8 @@ from typing import Any
 import torch
 
 from openprime.core.errors import OpenPrimeError
-from openprime.core.state_transfer import StateFetch, StateOffer, send_state
+from openprime.core.state_transfer import StateFetch, StateOffer, num_messages, send_state
+from openprime.core.timeouts import Timeouts
 from openprime.core.transport import Transport
 from openprime.diloco.config import RecoveryMode
 from openprime.diloco.outer import OuterState
@@ -79,14 +87,23 @@ class Recovery:
                           state_hash=state_hash, shared={"theta": self.state.theta, "momentum": self.state.momentum},
                           own=own, meta={**counters, "extra": meta}, shared_digests=self.state.shared_digests())
 
-    def donate(self, t: Transport, ranks: Sequence[int], *, deadline: float, counters: dict[str, int],
+    def transfer_s(self, timeouts: Timeouts) -> float:
+        """How long one transfer of this replica's state may take while it moves: `timeouts.transfer_s` of its
+        messages. The own state (the inner optimizer's) is counted as large as theta and momentum together, which
+        AdamW's two moments are, since a joiner that has not trained holds none yet."""
+        shared = self.state.theta.nbytes + self.state.momentum.nbytes
+        return timeouts.transfer_s(num_messages(shared, shared if self.extra is not None else 0) + 2)
+
+    def donate(self, t: Transport, ranks: Sequence[int], *, timeouts: Timeouts, counters: dict[str, int],
                state_hash: str) -> list[int]:
         """In the try: offer the state (whose hash the caller knows) to each joiner and send what it asks for
-        now; returns those that asked for it after the commit (non-blocking)."""
+        now; returns those that asked for it after the commit (non-blocking). Each joiner has a collective's
+        deadline for the offer and its answer, and each chunk `timeouts.op_s` (state_transfer.chunk_deadline)."""
         offer = self._offer(counters, state_hash, snapshot=False)
         later = []
         for rank in ranks:
-            report = send_state(t, rank, offer, deadline=deadline)
+            report = send_state(t, rank, offer, deadline=time.monotonic() + timeouts.collective_s(t.world_size),
+                                op_s=timeouts.op_s)
             self.num_donated += report.num_chunks
             if report.later:
                 later.append(rank)
@@ -95,15 +112,17 @@ class Recovery:
                          report.num_bytes / 1e6, rank, report.seconds)
         return later
 
-    def donate_later(self, t: Transport, ranks: Sequence[int], *, deadline: float, counters: dict[str, int],
+    def donate_later(self, t: Transport, ranks: Sequence[int], *, timeouts: Timeouts, counters: dict[str, int],
                      state_hash: str) -> None:
-        """After the commit: send the new state to the non-blocking joiners from a background thread."""
+        """After the commit: send the new state to the non-blocking joiners from a background thread, with the
+        deadlines of `donate`."""
         offer = self._offer(counters, state_hash, snapshot=True)
 
         def run() -> None:
             for rank in ranks:
                 try:
-                    report = send_state(t, rank, offer, deadline=deadline)
+                    report = send_state(t, rank, offer, deadline=time.monotonic() + timeouts.collective_s(
+                        t.world_size), op_s=timeouts.op_s)
                     self.num_donated += report.num_chunks
                     self._background_bytes += report.num_bytes
                     log.info("sent the state of outer step %d to rank %d in the background (%.1f MB, %.2fs)",
@@ -112,7 +131,8 @@ class Recovery:
                     log.warning("background state transfer to rank %d failed: %s", rank, e)
 
         self._join_background()
-        self._background_deadline = deadline
+        self._background_deadline = time.monotonic() + len(ranks) * (
+            timeouts.collective_s(t.world_size) + self.transfer_s(timeouts))
         self._background = threading.Thread(target=run, name="diloco-donate", daemon=True)
         self._background.start()
 
@@ -137,9 +157,10 @@ class Recovery:
 
     # ------------------------------------------------------------------ joiner
 
-    def receive(self, t: Transport, donor: int, *, deadline: float, later: bool,
+    def receive(self, t: Transport, donor: int, *, deadline: float, op_s: float, later: bool,
                 expected_hash: str | None = None) -> dict[str, Any] | None:
-        """Take the donor's offer and the chunks still missing; install the state once complete.
+        """Take the donor's offer (by `deadline`) and the chunks still missing (each within a few `op_s`: see
+        state_transfer.chunk_deadline); install the state once complete.
 
         Returns the offer's metadata (step counters, and the checked `state_hash`) when the state is complete
         and its hash checks out; None while it is incomplete. PeerFailure propagates (progress kept for the
@@ -147,7 +168,7 @@ class Recovery:
         """
         fetch, before = self.fetch, self.fetch.num_bytes_fetched
         try:
-            complete = fetch.fetch(t, donor, deadline=deadline, later=later, expected_hash=expected_hash)
+            complete = fetch.fetch(t, donor, deadline=deadline, op_s=op_s, later=later, expected_hash=expected_hash)
         finally:
             self.bytes_received += fetch.num_bytes_fetched - before
         if not complete:
