@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -9,7 +10,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from openprime.core import digest
+from openprime.core import digest, state_transfer
 from openprime.core.errors import PeerFailure
 from openprime.core.state_transfer import (
     CHUNK_BYTES,
@@ -259,3 +260,20 @@ def test_a_donor_sends_the_digests_it_hashed_its_state_with_and_stale_ones_are_c
     run_threads([lambda: send_state(donor_t, 1, offer("A", 1, shared_digests=stale), deadline=deadline),
                  lambda: fetch.fetch(joiner_t, 0, deadline=deadline)])
     assert fetch.num_corrupt == 1 and fetch.received == set(range(12)) - {2}
+
+
+def test_a_long_transfer_says_how_far_it_is(monkeypatch, caplog):
+    monkeypatch.setattr(state_transfer, "PROGRESS_EVERY_S", 0.0)  # every chunk but the last, here
+    caplog.set_level(logging.INFO, logger="openprime.core.state_transfer")
+    donor_t, joiner_t = local_group(2)
+    fetch = StateFetch()
+    deadline = time.monotonic() + 30
+    run_threads([lambda: send_state(donor_t, 1, offer("A", 1), deadline=deadline),
+                 lambda: fetch.fetch(joiner_t, 0, deadline=deadline)])
+    total = sum(t.nbytes for t in {**shared_state(), **own_state(1)}.values())
+    lines = [r.getMessage() for r in caplog.records]
+    received = [line for line in lines if line.startswith("receiving the state from rank 0: ")]
+    sent = [line for line in lines if line.startswith("sending the state to rank 1: ")]
+    assert len(received) == len(sent) == 11  # 12 chunks; the last one is the end, not progress
+    assert received[0].startswith(f"receiving the state from rank 0: 0.0 of {total / 1e6:.1f} MB (")
+    assert " MB/s, about " in received[-1] and received[-1].endswith("s left")

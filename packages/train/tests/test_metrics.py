@@ -2,6 +2,7 @@
 the progress line, and TensorBoard scalars mirrored from the JSONL records."""
 
 import json
+import logging
 import sys
 import time
 import types
@@ -16,6 +17,7 @@ from openprime.train.metrics import (
     model_flops_utilisation,
     progress_line,
     read_records,
+    show_info_logs,
 )
 from openprime.train.model import FLAVORS, num_flops_per_token
 
@@ -117,3 +119,20 @@ def test_readers_skip_a_line_cut_short(tmp_path, caplog):
         tail = MetricsTail(tmp_path)
         assert [r["step"] for r in tail.poll()] == [1, 2]
     assert "skipping a line that is not a whole record" in caplog.text
+
+
+def test_a_node_prints_live_recovery_info_as_its_lines_and_keeps_warnings_on_stderr(capsys):
+    name = "openprime.test_show_info_logs"  # a logger of its own: the real ones keep no handler after the test
+    logger = logging.getLogger(name)
+    try:
+        show_info_logs(3, loggers=(name,))
+        show_info_logs(3, loggers=(name,))  # a second call adds nothing: each line printed once
+        logger.debug("not shown")
+        logger.info("receiving the state from rank 0: 1.0 of 2.0 MB (50%)")
+        logger.warning("chunk 4 of the state from donor 0 does not match its checksum")
+        out, err = capsys.readouterr()
+        assert out == "[node 3] receiving the state from rank 0: 1.0 of 2.0 MB (50%)\n"
+        assert err == "chunk 4 of the state from donor 0 does not match its checksum\n"
+    finally:
+        logger.handlers.clear()
+        logger.setLevel(logging.NOTSET)

@@ -57,6 +57,7 @@ TAG_STATE_WANT = 7
 CHUNK_BYTES = 64 << 20  # large enough to stream at full rate; a broken transfer loses at most this much
 MIN_CHUNKS = 8  # a smaller state is cut finer: a donor lost mid-transfer then costs at most 1/8 of it
 IN_FLIGHT = 3  # chunks posted ahead on each side (64 MiB x 2: tcp 0.67, x 3: 0.72 of p2p on loopback)
+PROGRESS_EVERY_S = 60.0  # a transfer that lasts longer says how far it is this often (INTELLECT-1's: 30-60 min)
 
 
 class StateCorrupt(OpenPrimeError):
@@ -166,6 +167,10 @@ class _Layout:
     def is_shared(self, index: int) -> bool:
         return index < self.num_shared_chunks
 
+    def num_bytes(self, index: int) -> int:
+        lo, hi = self.bounds[index]
+        return hi - lo
+
     def shared_pieces(self, index: int) -> slice:
         """The shared chunk `index`'s pieces among the shared state's pieces."""
         lo, hi = self.bounds[index]
@@ -179,6 +184,25 @@ class _Layout:
             if a < b:
                 out.append(view[a - self.starts[i]: b - self.starts[i]])
         return out
+
+
+class _Progress:
+    """Logs (INFO) how far a long transfer is, at most every PROGRESS_EVERY_S."""
+
+    def __init__(self, what: str, total_bytes: int) -> None:
+        self.what, self.total, self.done = what, total_bytes, 0
+        self.start = self.last = time.monotonic()
+
+    def add(self, num_bytes: int) -> None:
+        self.done += num_bytes
+        now = time.monotonic()
+        if now - self.last < PROGRESS_EVERY_S or self.done >= self.total:
+            return
+        self.last = now
+        rate = self.done / max(now - self.start, 1e-9)
+        log.info("%s: %.1f of %.1f MB (%.0f%%) in %.0fs, %.1f MB/s, about %.0fs left", self.what, self.done / 1e6,
+                 self.total / 1e6, 100 * self.done / self.total, now - self.start, rate / 1e6,
+                 (self.total - self.done) / rate)
 
 
 def chunk_deadline(deadline: float, op_s: float | None) -> float:
@@ -248,6 +272,7 @@ def send_state(transport: Transport, peer: int, offer: StateOffer, *, deadline: 
         raise StateCorrupt(f"peer {peer} asked for a chunk outside [0, {offer.layout.num_chunks})")
     in_flight: collections.deque[Handle] = collections.deque()
     sent = 0
+    progress = _Progress(f"sending the state to rank {peer}", sum(offer.layout.num_bytes(i) for i in chunks))
     for i in chunks:
         views = offer.chunk_views(i)
         header = torch.tensor([i, digest.checksum(offer.chunk_digests(i))], dtype=torch.int64)
@@ -255,6 +280,7 @@ def send_state(transport: Transport, peer: int, offer: StateOffer, *, deadline: 
             in_flight.popleft().wait()
         in_flight.append(transport.isend(peer, TAG_STATE, [header, *views], deadline=chunk_deadline(deadline, op_s)))
         sent += sum(v.numel() for v in views)
+        progress.add(sum(v.numel() for v in views))
     while in_flight:
         in_flight.popleft().wait()
     return SendReport(num_chunks=len(chunks), num_bytes=sent, seconds=time.monotonic() - start,
@@ -326,12 +352,14 @@ class StateFetch:
                 posted.append(transport.irecv(donor, TAG_STATE, [headers[k], *self._layout.views(views, now[k])],
                                               deadline=chunk_deadline(deadline, op_s)))
 
+        progress = _Progress(f"receiving the state from rank {donor}", sum(self._layout.num_bytes(i) for i in now))
         for k in range(IN_FLIGHT):
             post(k)
         for k, i in enumerate(now):
             posted.popleft().wait()
             post(k + IN_FLIGHT)  # keep IN_FLIGHT receives posted while this chunk is checked
             self._check(i, headers[k], views, donor)
+            progress.add(self._layout.num_bytes(i))
         if now and self.complete:
             got = digest.combine(self.shared_digests())
             if got != self.header["state_hash"]:

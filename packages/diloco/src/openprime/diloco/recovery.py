@@ -185,6 +185,8 @@ class Recovery:
             own = {k: v for k, v in self.fetch.tensors.items() if k not in ("theta", "momentum")}
             self.extra.load_own_state(own, header["meta"]["extra"])
         self.state.copy_to_params()
+        log.info("received the state of outer step %d from rank %d (%.1f MB in all, hash %s checked)", header["step"],
+                 donor, fetch.num_bytes_fetched / 1e6, header["state_hash"][:12])
         meta = {**header["meta"], "state_hash": header["state_hash"]}
         self.fetch = self._new_fetch()
         return meta

@@ -42,7 +42,7 @@ from openprime.train.config import RunConfig
 from openprime.train.data import prepare_data
 from openprime.train.guard import Diverged
 from openprime.train.hardware import detect_device_type, device_blocks, least_used_block
-from openprime.train.metrics import RunSummary, summarize
+from openprime.train.metrics import RunSummary, show_info_logs, summarize
 from openprime.train.trainer import run_node
 
 
@@ -237,6 +237,8 @@ def node_main(cfg: RunConfig, node: int, coordinator: str, run_dir: pathlib.Path
     for stop in STOP_SIGNALS:
         signal.signal(stop, _leave)
     install_stack_dump()
+    if local_rank == 0:  # it speaks for the node (its other ranks' transfers are the same size and pace)
+        show_info_logs(node)
     try:
         run_node(cfg, node=node, coordinator=coordinator, run_dir=run_dir, num_threads=num_threads, resume=resume,
                  local_rank=local_rank, local_rendezvous=local_rendezvous, first_device=first_device)

@@ -95,6 +95,43 @@ def say(line: str) -> None:
     sys.stdout.flush()
 
 
+# Whose INFO records a node prints: live recovery, whose transfers (30-60 minutes in INTELLECT-1) say how far they are.
+SHOWN_INFO_LOGGERS = ("openprime.core.state_transfer", "openprime.diloco.recovery")
+
+
+class _Below(logging.Filter):
+    def __init__(self, level: int) -> None:
+        super().__init__()
+        self.level = level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < self.level
+
+
+class _SayHandler(logging.Handler):
+    def __init__(self, prefix: str) -> None:
+        super().__init__(logging.INFO)
+        self.prefix = prefix
+        self.addFilter(_Below(logging.WARNING))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        say(self.prefix + record.getMessage())
+
+
+def show_info_logs(node: int, loggers: tuple[str, ...] = SHOWN_INFO_LOGGERS) -> None:
+    """Print the INFO records of `loggers` as this node's lines on stdout ("[node N] ..."), beside its progress
+    lines; their warnings and errors stay on stderr, bare, as Python prints them when nothing is configured."""
+    for name in loggers:
+        logger = logging.getLogger(name)
+        if any(isinstance(h, _SayHandler) for h in logger.handlers):
+            continue
+        warnings = logging.StreamHandler(sys.stderr)
+        warnings.setLevel(logging.WARNING)
+        logger.addHandler(warnings)
+        logger.addHandler(_SayHandler(f"[node {node}] "))
+        logger.setLevel(logging.INFO)
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
