@@ -271,7 +271,6 @@ def send_state(transport: Transport, peer: int, offer: StateOffer, *, deadline: 
     if any(not 0 <= i < offer.layout.num_chunks for i in chunks):
         raise StateCorrupt(f"peer {peer} asked for a chunk outside [0, {offer.layout.num_chunks})")
     in_flight: collections.deque[Handle] = collections.deque()
-    sent = 0
     progress = _Progress(f"sending the state to rank {peer}", sum(offer.layout.num_bytes(i) for i in chunks))
     for i in chunks:
         views = offer.chunk_views(i)
@@ -279,11 +278,10 @@ def send_state(transport: Transport, peer: int, offer: StateOffer, *, deadline: 
         if len(in_flight) == IN_FLIGHT:
             in_flight.popleft().wait()
         in_flight.append(transport.isend(peer, TAG_STATE, [header, *views], deadline=chunk_deadline(deadline, op_s)))
-        sent += sum(v.numel() for v in views)
-        progress.add(sum(v.numel() for v in views))
+        progress.add(offer.layout.num_bytes(i))
     while in_flight:
         in_flight.popleft().wait()
-    return SendReport(num_chunks=len(chunks), num_bytes=sent, seconds=time.monotonic() - start,
+    return SendReport(num_chunks=len(chunks), num_bytes=progress.done, seconds=time.monotonic() - start,
                       later=bool(want.get("later")))
 
 

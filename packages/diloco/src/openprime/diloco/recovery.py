@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from openprime.core.errors import OpenPrimeError
-from openprime.core.state_transfer import StateFetch, StateOffer, num_messages, send_state
+from openprime.core.state_transfer import SendReport, StateFetch, StateOffer, num_messages, send_state
 from openprime.core.timeouts import Timeouts
 from openprime.core.transport import Transport
 from openprime.diloco.config import RecoveryMode
@@ -92,7 +92,14 @@ class Recovery:
         messages. The own state (the inner optimizer's) is counted as large as theta and momentum together, which
         AdamW's two moments are, since a joiner that has not trained holds none yet."""
         shared = self.state.theta.nbytes + self.state.momentum.nbytes
+        # + 2: the optimizer's step counters beside its moments may add a chunk to each part of the estimate.
         return timeouts.transfer_s(num_messages(shared, shared if self.extra is not None else 0) + 2)
+
+    @staticmethod
+    def _send(t: Transport, rank: int, offer: StateOffer, timeouts: Timeouts) -> SendReport:
+        """`send_state` to one joiner: a collective's deadline for the offer and its answer, `op_s` a chunk."""
+        return send_state(t, rank, offer, deadline=time.monotonic() + timeouts.collective_s(t.world_size),
+                          op_s=timeouts.op_s)
 
     def donate(self, t: Transport, ranks: Sequence[int], *, timeouts: Timeouts, counters: dict[str, int],
                state_hash: str) -> list[int]:
@@ -102,8 +109,7 @@ class Recovery:
         offer = self._offer(counters, state_hash, snapshot=False)
         later = []
         for rank in ranks:
-            report = send_state(t, rank, offer, deadline=time.monotonic() + timeouts.collective_s(t.world_size),
-                                op_s=timeouts.op_s)
+            report = self._send(t, rank, offer, timeouts)
             self.num_donated += report.num_chunks
             if report.later:
                 later.append(rank)
@@ -121,8 +127,7 @@ class Recovery:
         def run() -> None:
             for rank in ranks:
                 try:
-                    report = send_state(t, rank, offer, deadline=time.monotonic() + timeouts.collective_s(
-                        t.world_size), op_s=timeouts.op_s)
+                    report = self._send(t, rank, offer, timeouts)
                     self.num_donated += report.num_chunks
                     self._background_bytes += report.num_bytes
                     log.info("sent the state of outer step %d to rank %d in the background (%.1f MB, %.2fs)",

@@ -99,20 +99,11 @@ def say(line: str) -> None:
 SHOWN_INFO_LOGGERS = ("openprime.core.state_transfer", "openprime.diloco.recovery")
 
 
-class _Below(logging.Filter):
-    def __init__(self, level: int) -> None:
-        super().__init__()
-        self.level = level
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno < self.level
-
-
 class _SayHandler(logging.Handler):
     def __init__(self, prefix: str) -> None:
         super().__init__(logging.INFO)
         self.prefix = prefix
-        self.addFilter(_Below(logging.WARNING))
+        self.addFilter(lambda record: record.levelno < logging.WARNING)  # warnings: the stderr handler beside
 
     def emit(self, record: logging.LogRecord) -> None:
         say(self.prefix + record.getMessage())
