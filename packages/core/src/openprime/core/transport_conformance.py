@@ -203,6 +203,29 @@ def _body_peer_closes(transport, ctx: GroupContext, linger_s: float) -> float | 
     raise AssertionError("recv from a peer that closed its transport returned")
 
 
+def _body_closed_by_another_thread(transport, ctx: GroupContext, linger_s: float) -> dict | None:
+    """Rank 0 waits on a receive from rank 1 (alive, silent) and on the send of a message too large to fit in
+    the socket buffers, and another thread of rank 0 closes rank 0's transport after 0.5 s (an abort of a doomed
+    try: openprime.mesh.elastic). Seconds until each wait raised (deadlines 30 s); rank 1 stays silent."""
+    if ctx.rank == 1:
+        time.sleep(linger_s)
+        return None
+    big = torch.zeros(256 << 20, dtype=torch.uint8)  # far beyond any socket buffer: the send cannot complete
+    start = time.monotonic()
+    receiving = transport.irecv(1, TAG_A, [torch.empty(16, dtype=torch.uint8)], deadline=start + 30.0)
+    sending = transport.isend(1, TAG_B, [big], deadline=start + 30.0)
+    start = time.monotonic()
+    threading.Timer(0.5, transport.close).start()
+    out = {}
+    for name, handle in (("recv", receiving), ("send", sending)):
+        try:
+            handle.wait()
+            out[name] = "returned"
+        except PeerFailure:
+            out[name] = time.monotonic() - start
+    return out
+
+
 def _body_close(transport, ctx: GroupContext) -> bool:
     transport.close()
     transport.close()
@@ -404,6 +427,16 @@ class TransportConformance:
         # at the default 120 s). The cascade goes round the ring in a few round trips.
         elapsed, _ = run_group(2, _body_peer_closes, factory=self.factory, args=(2.0,), timeout_s=60)
         assert elapsed < 2.0, f"the receive raised {elapsed:.1f}s after it was posted, the close came at 0.5s"
+
+    def test_a_close_from_another_thread_fails_this_ranks_waits_at_once(self):
+        # A try the coordinator knows is doomed (a member was evicted: frozen, or cut off by the network) is aborted
+        # by closing its transport from a watcher thread (openprime.mesh.abort); the main thread, waiting on the
+        # lost member until its deadline (2(n-1) x op_s), must fail now instead.
+        waited, _ = run_group(2, _body_closed_by_another_thread, factory=self.factory, args=(4.0,), timeout_s=60)
+        assert set(waited) == {"recv", "send"} and waited["recv"] != "returned", waited
+        assert waited["recv"] < 2.0, f"the receive raised {waited['recv']:.1f}s in; the close came at 0.5s"
+        # A send may complete into buffers nobody reads; one still waiting must fail with the receive.
+        assert waited["send"] == "returned" or waited["send"] < 2.0, waited
 
     def test_close_is_idempotent(self):
         assert run_group(2, _body_close, factory=self.factory) == [True, True]

@@ -11,6 +11,7 @@ that timed out is closed by Gloo, so after a PeerFailure the group is rebuilt, n
 from __future__ import annotations
 
 import datetime
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -58,7 +59,10 @@ class _GlooHandle(Handle):
             try:
                 work.wait(datetime.timedelta(seconds=max(left, 1e-3)))
             except RuntimeError as e:
-                self._t._fail(self._peer, f"gloo: {_first_line(e)}")
+                self._t._fail(self._peer, "transport closed by this process while waiting (an aborted try)"
+                              if self._t._closed else f"gloo: {_first_line(e)}")
+            finally:
+                self._t._settled(work)
             if i == 0 and self._header is not None:
                 self._check_header()
         self._done = True
@@ -88,6 +92,8 @@ class GlooTransport(Transport):
         self.config = config
         self._closed = False
         self._broken = False
+        self._lock = threading.Lock()
+        self._in_flight: set = set()  # posted Gloo works not yet waited on: what close() must fail
         store = connect_store(rendezvous, config.connect_timeout_s, suffix="/gloo")
         try:
             self._pg = gloo_group(store, rank, world_size, timeout_s=config.connect_timeout_s,
@@ -135,15 +141,33 @@ class GlooTransport(Transport):
         """Post Gloo's send or recv (`op`) of each buffer. Gloo raises at once on a pair it already saw closed (a
         peer that left or died before this call): that is a PeerFailure like any other, not a crash."""
         try:
-            return [op([b], peer, tag) for b in buffers]
+            works = [op([b], peer, tag) for b in buffers]
         except RuntimeError as e:
             self._fail(peer, f"gloo: {_first_line(e)}")
             raise  # unreachable: _fail raises
+        with self._lock:
+            self._in_flight.update(works)
+        return works
+
+    def _settled(self, work) -> None:
+        with self._lock:
+            self._in_flight.discard(work)
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        # Another thread may be waiting on an operation (closed from a watcher: an aborted try). Neither abort() nor
+        # shutdown() of the group wakes it, but a wait on a pending operation that times out makes Gloo fail every
+        # pending operation of the group and close its pairs (gloo's UnboundBuffer: "let all pairs in the transport
+        # context know about this application side timeout"): the waiter and the peers waiting on us fail now.
+        with self._lock:
+            pending = list(self._in_flight)
+        for work in pending:
+            try:
+                work.wait(datetime.timedelta(milliseconds=1))
+            except RuntimeError:
+                break  # one timeout closed them all
         self._pg = None  # Gloo closes its pairs when the group is destroyed
 
 
