@@ -116,14 +116,27 @@ def test_graceful_exit_is_removed_at_once(tmp_path):
     assert launcher.procs[2].exitcode == 143
 
 
-def test_frozen_node_is_evicted_then_rejoins(tmp_path):
-    launcher = _start(tmp_path, 3, steps=MEDIUM)
-    wait_for(launcher.run_dir, outer_done(2, 2))
+def test_a_node_frozen_inside_the_all_reduce_holds_the_others_an_eviction_timeout_then_rejoins(tmp_path):
+    # Frozen (or cut off by the network: its connections stay open, nothing resets them) inside an all-reduce, a node
+    # held the others until their collective deadline, 2(n-1) x timeouts.op_s: 4 minutes here at op_s = 60 s, 28
+    # minutes for 8 nodes at the default 120 s. The coordinator evicts it after an eviction timeout (1.5 s) and
+    # marks the try doomed; every process closes that try's transport within a poll (openprime.mesh.abort) and
+    # retries without it. A slow link (25 Mbit/s) makes each all-reduce last seconds, so the freeze lands inside one.
+    launcher = _start(tmp_path, 3, "transport.kind=tcp", "transport.options.shaping.rate_bps=2.5e7",
+                      "transport.options.num_connections=1", "timeouts.op_s=60")
+    coordinator = launcher.coordinator_server
+    wait_until(lambda: coordinator.all_reducing == 3 - 1, timeout_s=120)  # outer step 3 (the records count from 1)
+    time.sleep(0.5)
     os.kill(launcher.procs[2].pid, signal.SIGSTOP)
-    wait_for(launcher.run_dir, lambda rs: any(r["num_members"] == 2 for r in outer_records(rs, 0)))
+    frozen_at = time.time()
+    wait_for(launcher.run_dir, lambda rs: any(r["num_members"] == 2 for r in outer_records(rs, 0)), timeout_s=300)
+    first = next(r for r in outer_records(run_records(launcher.run_dir), 0) if r["num_members"] == 2)
+    assert first["outer_step"] == 3 and first["num_tries"] >= 2, first
+    # Eviction 1.5 s, a poll 0.5 s, then the retry's group and its all-reduce on the slow link: far from 240 s.
+    assert first["time"] - frozen_at < 30, first["time"] - frozen_at
     os.kill(launcher.procs[2].pid, signal.SIGCONT)
     wait_for(launcher.run_dir, lambda rs: any(r["kind"] == "rejoined" and r["node"] == 2 for r in rs))
-    _finish(launcher, expected_ok={0, 1, 2})
+    _finish(launcher, expected_ok={0, 1, 2}, timeout_s=400)
     # After rejoining, node 2's global state matched the others' at every outer step (hashes_agree above).
     late = outer_records(run_records(launcher.run_dir), 2)
     assert late[-1]["outer_step"] == launcher.cfg.num_outer_steps

@@ -76,6 +76,12 @@ class MeshConfig:
         return min(self.straggler_timeout_s, max(self.min_straggler_s, self.straggler_factor * compute_s))
 
     @property
+    def abort_poll_s(self) -> float:
+        """Every process reads this often whether its current try is doomed (a member lost: openprime.mesh.abort),
+        so a frozen or cut-off member holds the others one eviction timeout plus this, not their deadlines."""
+        return self.heartbeat_interval_s
+
+    @property
     def request_timeout_s(self) -> float:
         """A request without an answer this long is sent again (the coordinator may have restarted)."""
         return self.heartbeat_interval_s

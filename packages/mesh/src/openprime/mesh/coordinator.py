@@ -14,7 +14,10 @@ What it decides, on one thread, between messages:
   a member alive by its heartbeats that stays away longer than recent outer steps took to compute
   (`straggler_deadline_s`: a process of it hung) is evicted, so that the others go on without it;
 - the commit of each all-reduce: apply only if every member of the view reported success, else every
-  survivor retries (so no node ever applies a result another node did not get);
+  survivor retries (so no node ever applies a result another node did not get); a try that can no
+  longer be applied (a member removed, or one reporting failure) is marked doomed in the store at once,
+  and every process of every member stops waiting on it within a heartbeat (abort.py) instead of at
+  its collective deadline, 2(n-1) x op_s;
 - agreement: the nodes' hashes of their global state after each outer step are compared, and any
   difference is logged loudly with the nodes involved.
 """
@@ -34,6 +37,7 @@ import zmq
 from openprime.core.auth import AuthConfig
 from openprime.core.distributed import host_store
 from openprime.core.errors import ConfigError
+from openprime.mesh.abort import abort_key, try_group
 from openprime.mesh.config import MeshConfig
 from openprime.mesh.protocol import SLOTS_TERM, BadMessage, check_request, pack, unpack
 from openprime.mesh.ring_order import best_ring, ring_bottleneck
@@ -57,7 +61,9 @@ class Committee:
 
     step: int
     attempt: int
+    epoch: int
     members: frozenset[str]
+    doomed: bool = False  # the try's abort key is set (openprime.mesh.abort): it cannot be applied
     reports: dict[str, bool] = attrs.Factory(dict)
     waiting: dict[str, tuple[bytes, int]] = attrs.Factory(dict)
     reported_at: dict[str, float] = attrs.Factory(dict)  # when each member reported (time.monotonic())
@@ -332,10 +338,13 @@ class Coordinator:
         committee = self._committee
         if committee is None or (committee.step, committee.attempt) != key:
             # A coordinator that restarted mid-commit: the members re-form the committee as they report.
-            committee = self._committee = Committee(step=key[0], attempt=key[1], members=frozenset(self.members))
+            committee = self._committee = Committee(step=key[0], attempt=key[1], epoch=self.epoch,
+                                                    members=frozenset(self.members))
         committee.reported_at.setdefault(message["node"], time.monotonic())
         self._clock.reported(message.get("compute_s"))
         committee.reports[message["node"]] = message["ok"]
+        if not message["ok"]:
+            self._doom(committee, f"node {message['node']} reported that its part failed")
         committee.waiting[message["node"]] = (route, message["req"])
         return None
 
@@ -365,6 +374,20 @@ class Coordinator:
         self._unproven.discard(node)
         self.evictions.append(node)
         log.warning("node %s removed: %s", node, why)
+        if self._committee is not None and node in self._committee.members:
+            self._doom(self._committee, f"node {node} was removed: {why}")
+
+    def _doom(self, committee: Committee, why: str) -> None:
+        """Tell the committee's members that their try cannot be applied, so that they stop waiting on it now
+        (abort.py: the others would wait for a frozen member until their deadline, 2(n-1) x op_s)."""
+        if committee.doomed:
+            return
+        committee.doomed = True
+        key = abort_key(try_group(self.config.run_id, committee.epoch, committee.step, committee.attempt))
+        try:
+            self._store.set(key, why)
+        except RuntimeError as e:  # the store is in this process: only a broken one fails, and deadlines still act
+            log.warning("could not mark outer step %d try %d as doomed: %s", committee.step, committee.attempt, e)
 
     def _evict_silent(self, now: float) -> None:
         for node, record in list(self.nodes.items()):
@@ -435,7 +458,7 @@ class Coordinator:
                 "state_hash": agreed,
                 "attempt": attempt, "skip": skip, "slots": [[m, self.nodes[m].slot] for m in members],
                 "store": self.store}
-        self._committee = Committee(step=step, attempt=attempt, members=frozenset(members))
+        self._committee = Committee(step=step, attempt=attempt, epoch=self.epoch, members=frozenset(members))
         for route, req, _ in self._waiting.values():
             self._reply(route, req, view)
         self._waiting.clear()

@@ -25,6 +25,7 @@ import torch
 from openprime.core.errors import OpenPrimeError, PeerFailure
 from openprime.core.membership import Membership, Round
 from openprime.core.transport import Handle, Rendezvous, Transport, TransportFactory
+from openprime.mesh.abort import TryWatch, try_group
 from openprime.mesh.bandwidth import ProbeBytes, probe_bandwidth
 from openprime.mesh.client import Evicted, JoinRefused, MeshClient, View
 
@@ -52,8 +53,11 @@ class ElasticDeviceMesh(Membership):
     """The elastic membership of one process (one local rank of one node)."""
 
     def __init__(self, client: MeshClient | None, *, transport_factory: TransportFactory, run_id: str,
-                 local_rank: int = 0, local_group: torch.distributed.ProcessGroup | None = None,
+                 abort_poll_s: float, connect_timeout_s: float, local_rank: int = 0,
+                 local_group: torch.distributed.ProcessGroup | None = None,
                  probe_bytes: int = 0, probe_timeout_s: float = 30.0) -> None:
+        """`abort_poll_s` (MeshConfig.abort_poll_s): how often this process reads whether its try is doomed
+        (openprime.mesh.abort); `connect_timeout_s`: the bound on reaching the coordinator's store for it."""
         if (client is None) != (local_rank != 0):
             raise ValueError("local rank 0, and only it, holds the node's MeshClient")
         self.client = client
@@ -72,6 +76,10 @@ class ElasticDeviceMesh(Membership):
         # Who this node is, the same on every local rank (only local rank 0 holds the client).
         identity = self._share([client.node, client.slot, client.joined_epoch] if client is not None else None)
         self.node_id, self.slot, self.joined_epoch = identity
+        self._store = ""  # the coordinator's rendezvous store, as the last view named it
+        self._try = ""  # the group name of the current try (abort.try_group)
+        self._watch = TryWatch(poll_s=abort_poll_s, connect_timeout_s=connect_timeout_s,
+                               who=f"node {self.node_id} local rank {local_rank}")
 
     # ------------------------------------------------------------------ the node's local ranks
 
@@ -143,6 +151,9 @@ class ElasticDeviceMesh(Membership):
         rank = view.rank_of(shared["node"])
         if self._transport is None or epoch != self._epoch or attempt > 0:
             self._rebuild(view, rank, shared["store"])
+        self._store, self._try = shared["store"], try_group(self._run_id, epoch, v_step, v_attempt)
+        if not skip:  # closed at once if the try is doomed (a member lost): see openprime.mesh.abort
+            self._watch.watch(self._store, self._try, self._transport)
         old = [r for r, n in enumerate(view.members) if n not in view.new]
         new_ranks = tuple(r for r, n in enumerate(view.members) if n in view.new) if old else ()
         return Round(transport=self._transport, step=v_step, attempt=v_attempt, skip=skip, new_ranks=new_ranks,
@@ -153,7 +164,7 @@ class ElasticDeviceMesh(Membership):
         if self._transport is not None:
             self._transport.close()
         host, port = store.rsplit(":", 1)
-        group = f"{self._run_id}/e{view.epoch}/s{view.step}/a{view.attempt}/l{self.local_rank}"
+        group = f"{try_group(self._run_id, view.epoch, view.step, view.attempt)}/l{self.local_rank}"
         try:
             self._transport = self._factory(Rendezvous(host=host, port=int(port), group=group), rank,
                                             len(view.members))
@@ -164,11 +175,17 @@ class ElasticDeviceMesh(Membership):
 
     def commit(self, step: int, attempt: int, ok: bool) -> bool:
         if not ok and self._transport is not None:
-            # Close this try's group now: neighbours still waiting on this node fail at once instead of at
-            # their deadline (the next try builds a new group anyway).
+            # The try cannot be applied: every process of every member stops waiting on it now (abort.py), and
+            # closing this try's group fails the neighbours waiting on this node at once (the next try builds a
+            # new group anyway).
+            self._watch.doom(self._store, self._try, f"node {self.node_id} local rank {self.local_rank} failed "
+                                                     f"its part of outer step {step} try {attempt}")
             self._transport.close()
         ok = self._all_local(ok)
-        applied = bool(self._on_rank0(lambda: self.client.commit(step, attempt, ok)))
+        try:
+            applied = bool(self._on_rank0(lambda: self.client.commit(step, attempt, ok)))
+        finally:
+            self._watch.unwatch()
         if applied and self._probe_bytes and self._probed_epoch != self._epoch and len(self.view.members) > 2:
             self._start_probe()
         return applied
@@ -205,6 +222,7 @@ class ElasticDeviceMesh(Membership):
         return measured or None
 
     def close(self) -> None:
+        self._watch.close()
         self._probe_results()
         if self._transport is not None:
             self._transport.close()

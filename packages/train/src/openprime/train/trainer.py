@@ -106,7 +106,8 @@ def join_mesh(cfg: RunConfig, coordinator: str, *, slot: int = -1, local_rank: i
         client = MeshClient(coordinator, cfg.mesh)
         client.join(slot=slot, terms=run_terms(cfg, prepare_data(cfg.data)))
     return ElasticDeviceMesh(client, transport_factory=transport_factory(cfg.transport, cfg.timeouts),
-                             run_id=cfg.mesh.run_id, probe_bytes=cfg.mesh.probe_bytes,
+                             run_id=cfg.mesh.run_id, abort_poll_s=cfg.mesh.abort_poll_s,
+                             connect_timeout_s=cfg.timeouts.connect_s, probe_bytes=cfg.mesh.probe_bytes,
                              probe_timeout_s=cfg.timeouts.op_s, local_rank=local_rank,
                              local_group=local_mesh.get_group() if local_mesh is not None else None)
 
