@@ -24,7 +24,6 @@ What it decides, on one thread, between messages:
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -37,9 +36,10 @@ import zmq
 from openprime.core.auth import AuthConfig
 from openprime.core.distributed import host_store
 from openprime.core.errors import ConfigError
+from openprime.mesh import terms as terms_rules
 from openprime.mesh.abort import abort_key, try_group
 from openprime.mesh.config import MeshConfig
-from openprime.mesh.protocol import SLOTS_TERM, BadMessage, check_request, pack, unpack
+from openprime.mesh.protocol import BadMessage, check_request, pack, unpack
 from openprime.mesh.ring_order import best_ring, ring_bottleneck
 from openprime.mesh.stragglers import StragglerClock
 
@@ -67,15 +67,6 @@ class Committee:
     reports: dict[str, bool] = attrs.Factory(dict)
     waiting: dict[str, tuple[bytes, int]] = attrs.Factory(dict)
     reported_at: dict[str, float] = attrs.Factory(dict)  # when each member reported (time.monotonic())
-
-
-def _stated_slots(terms: Any) -> int | None:
-    """The number of data slots that terms state (`SLOTS_TERM`), or None when they state none readable."""
-    stated = terms.get(SLOTS_TERM) if isinstance(terms, dict) else None
-    try:
-        return int(json.loads(stated)) if stated else None
-    except (TypeError, ValueError):
-        return None
 
 
 class Coordinator:
@@ -118,7 +109,7 @@ class Coordinator:
         self._decisions: dict[tuple[int, int], bool] = {}
         self.hashes: dict[int, dict[str, str]] = {}
         self.disagreements: list[tuple[int, dict[str, str]]] = []
-        self.terms: dict[str, str] | None = None  # what every node of the run agrees on (see _disagreement)
+        self.terms: dict[str, str] | None = None  # what every node of the run agrees on (terms.py, _disagreement)
         self.terms_node = ""
         self.refusals: list[str] = []
         self.evictions: list[str] = []
@@ -234,11 +225,8 @@ class Coordinator:
 
     @property
     def num_slots(self) -> int:
-        """The data slots nodes may take: this coordinator's max_nodes, or the number the run's nodes cut their
-        data into when that is fewer (a `mesh serve` left at its default of 64 under a recipe of 8). Before, such a
-        coordinator granted slot 8 to a ninth node, whose data loader then failed on a slot outside its 8."""
-        stated = _stated_slots(self.terms)
-        return min(self.config.max_nodes, stated) if stated else self.config.max_nodes
+        """The data slots nodes may take (terms.num_slots)."""
+        return terms_rules.num_slots(self.terms, self.config.max_nodes)
 
     def _valid_slot(self, node: str, slot: int) -> int:
         """The slot a node reports, if it is in range and free; otherwise a free one (or -1 while none is)."""
@@ -253,7 +241,8 @@ class Coordinator:
             reason = f"node id {node!r} is already in use by a live node"
             self._refuse(route, reason)
             return {"op": "refused", "reason": reason}
-        reason = self._too_few_slots(message.get("terms")) or self._disagreement(node, message.get("terms"))
+        terms = message.get("terms")
+        reason = terms_rules.too_few_slots(terms, self.config.max_nodes) or self._disagreement(node, terms)
         if reason is not None:
             self._refuse(route, reason)
             return {"op": "refused", "reason": reason}
@@ -266,31 +255,12 @@ class Coordinator:
             else:
                 slot = next((s for s in range(num_slots) if s not in used), num_slots)
             if slot >= num_slots:
-                return {"op": "refused", "reason": self._full(num_slots)}
+                return {"op": "refused", "reason": terms_rules.full(num_slots, self.config.max_nodes)}
             now = time.monotonic()
             record = NodeRecord(node=node, incarnation=message["incarnation"], slot=slot, last_seen=now, joined_at=now)
             self.nodes[node] = record
             log.info("node %s joined (slot %d); it is admitted at the next outer step", node, slot)
         return {"op": "joined", "slot": record.slot, "epoch": self.epoch, "step": self.step, "store": self.store}
-
-    def _full(self, num_slots: int) -> str:
-        if num_slots < self.config.max_nodes:
-            return (f"the run is full: every one of the {num_slots} data slots its nodes cut the data into "
-                    f"({SLOTS_TERM}={num_slots} in their recipe) is taken; to train on more nodes, resume the run with "
-                    f"a higher {SLOTS_TERM} and --set data.on_layout_change=restart")
-        return (f"the run is full: this coordinator's max_nodes={self.config.max_nodes} slots are taken; restart it "
-                f"with --set max_nodes=N for more")
-
-    def _too_few_slots(self, terms: Any) -> str | None:
-        """Why a coordinator cannot serve these terms: their data is cut into more slots than it grants, so some
-        slots' data would never be read (None: it can)."""
-        wanted = _stated_slots(terms)
-        if wanted is None or wanted <= self.config.max_nodes:
-            return None
-        return (f"the node cuts its data into {SLOTS_TERM}={wanted} slots but this coordinator grants at most "
-                f"{self.config.max_nodes} (its max_nodes): the data of slots {self.config.max_nodes}-{wanted - 1} "
-                f"would never be read; start the coordinator with --set max_nodes={wanted}, or give the run "
-                f"--set {SLOTS_TERM}={self.config.max_nodes}")
 
     def _disagreement(self, node: str, terms: Any) -> str | None:
         """Why a joining node may not join this run's terms (None: it may). The first node to join a coordinator
@@ -301,15 +271,7 @@ class Coordinator:
         if self.terms is None or not self.nodes:
             self.terms, self.terms_node = dict(terms), node
             return None
-        differing = sorted(k for k in self.terms.keys() | terms.keys() if self.terms.get(k) != terms.get(k))
-        if not differing:
-            return None
-        key = differing[0]
-        more = f" (and {len(differing) - 1} more: {', '.join(differing[1:4])}{', ...' if len(differing) > 4 else ''})"
-        return (f"node {node} does not agree with the run on {key}: {terms.get(key, 'nothing')} there, "
-                f"{self.terms.get(key, 'nothing')} in the run (as node {self.terms_node} joined it)"
-                f"{more if len(differing) > 1 else ''}; every node of a run must train the same recipe on the same "
-                f"data")
+        return terms_rules.disagreement(self.terms, self.terms_node, node, terms)
 
     def _on_heartbeat(self, route: bytes, message: dict) -> dict:
         if self._known(message) is None:
