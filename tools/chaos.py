@@ -54,7 +54,8 @@ first inner step ("!!" marks something that went wrong). The closing table compa
 - unexpected exits: a node that died without being killed or terminated by the harness, or exited
   with a code other than the expected one (-9 after kill, 143 after SIGTERM). See nodes.log.
 A stall half as long as `--stall` gets every node process's thread stacks printed to nodes.log, one process at a
-time (once per stall; `Launcher.dump_stacks`), to see where the nodes wait.
+time (once per stall; `Launcher.dump_stacks`; a process the harness stopped is named, not asked), to see where
+the nodes wait.
 
 The fault schedule is drawn from `--seed`, but which faults are possible at a given moment depends on
 the run (how many nodes are admitted, whether the coordinator is up), so two runs with the same seed

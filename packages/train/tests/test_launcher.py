@@ -4,12 +4,13 @@ thread's stack to their output, so a rare hang leaves the place it waited on rec
 import multiprocessing as mp
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import threading
 import time
 
-from openprime.train.launcher import Launcher, NodeProcess, install_stack_dump, output_to
+from openprime.train.launcher import Launcher, NodeProcess, _stopped, dump_stacks, install_stack_dump, output_to
 from openprime.train.recipe import recipe_config
 from openprime.train.testing import process_ended
 
@@ -39,6 +40,37 @@ def test_wait_prints_the_stacks_of_nodes_still_running(tmp_path):
         launcher.stop()
     text = log.read_text()
     assert "most recent call first" in text and "_stuck_in_a_wait" in text, text
+
+
+def test_a_stopped_process_is_not_asked_for_its_stacks(tmp_path, capsys):
+    """A SIGSTOPped process asked for its stacks dumps them the moment it continues, every thread waking at once:
+    chaos.py saw one segfault there. It is named as stopped and not signalled; the running one is asked."""
+    log = tmp_path / "node.log"
+    ctx = mp.get_context("fork")
+    ready = [ctx.Event(), ctx.Event()]
+    procs = [ctx.Process(target=_stuck_in_a_wait, args=(r,), name=f"node-{i}") for i, r in enumerate(ready)]
+    try:
+        with output_to(log):
+            for p in procs:
+                p.start()
+        assert all(r.wait(30) for r in ready)
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while not _stopped(procs[1].pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with output_to(log):
+            asked = dump_stacks([(p.name, p.pid) for p in procs], settle_s=0.5)
+        assert asked == ["node-0"]
+        os.kill(procs[1].pid, signal.SIGCONT)
+        time.sleep(1.0)  # a signal left pending would be handled now, and its stacks printed
+        assert all(p.is_alive() for p in procs)
+    finally:
+        for p in procs:
+            p.kill()
+            p.join(10)
+    assert f"node-1, pid {procs[1].pid}, is stopped (SIGSTOP)" in capsys.readouterr().err
+    text = log.read_text()
+    assert text.count("_stuck_in_a_wait") == 1, text  # node-0's stack only
 
 
 def test_node_processes_write_where_the_launcher_writes_now_and_see_its_environment(tmp_path, monkeypatch):

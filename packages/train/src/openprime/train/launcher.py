@@ -119,6 +119,41 @@ def install_stack_dump() -> None:
     faulthandler.register(STACKS_SIGNAL, file=2, all_threads=True)  # fd 2 itself, wherever sys.stderr points
 
 
+def _stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (SIGSTOP, a debugger), by its state in /proc (False where there is none)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")  # after "(comm)", which may hold spaces
+    except (OSError, IndexError):
+        return False
+
+
+def dump_stacks(procs: list[tuple[str, int]], settle_s: float = 0.5) -> list[str]:
+    """Ask processes (name, pid) that run `install_stack_dump` for their threads' stacks (STACKS_SIGNAL), one at a
+    time under a line naming each (asked all at once, processes sharing an output wrote their stacks into one
+    another); returns the names of those asked.
+
+    A stopped process is not asked: the signal would wait for it to continue, and the dump (faulthandler reads the
+    other threads' frames without the GIL) would then run as every thread wakes at once. In a chaos.py run a stall
+    dump asked a node's SIGSTOPped local rank 1; when the harness continued it, a segfault in libpython (a Gloo
+    thread, by the kernel's log) ended it and its node exited, a fault nobody injected. Its stack is where it was
+    stopped."""
+    asked = []
+    for name, pid in procs:
+        if _stopped(pid):
+            print(f"== {name}, pid {pid}, is stopped (SIGSTOP): not asked for its stacks", file=sys.stderr, flush=True)
+            continue
+        print(f"== stacks of {name}, pid {pid}:", file=sys.stderr, flush=True)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, STACKS_SIGNAL)
+            asked.append(name)
+            time.sleep(settle_s)  # faulthandler writes from the signal handler; give it a moment
+    if asked:
+        print(f"openprime: still running, stacks printed to their output: {', '.join(asked)}", file=sys.stderr,
+              flush=True)
+    return asked
+
+
 class _Inherited:
     """The launching process's stdout, stderr and environment at `NodeProcess.start()`, for the new process.
 
@@ -343,20 +378,8 @@ class Launcher:
         return [p for procs in self.local_procs.values() for p in procs if p.is_alive()]
 
     def dump_stacks(self, settle_s: float = 0.5) -> list[str]:
-        """Ask every live node process for its threads' stacks (STACKS_SIGNAL), one at a time under a line naming it
-        (asked all at once, processes sharing an output wrote their stacks into one another); returns the processes
-        asked. A process that is stopped (SIGSTOP) prints when it continues."""
-        asked = []
-        for p in self._alive():
-            print(f"== stacks of {p.name}, pid {p.pid}:", file=sys.stderr, flush=True)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(p.pid, STACKS_SIGNAL)
-                asked.append(p.name)
-                time.sleep(settle_s)  # faulthandler writes from the signal handler; give it a moment
-        if asked:
-            print(f"openprime: still running, stacks printed to their output: {', '.join(asked)}", file=sys.stderr,
-                  flush=True)
-        return asked
+        """Every live node process prints its threads' stacks (`dump_stacks`); returns the processes asked."""
+        return dump_stacks([(p.name, p.pid) for p in self._alive()], settle_s=settle_s)
 
     def stop(self) -> None:
         self._watching.set()
