@@ -4,14 +4,17 @@ hash disagreement. Fast: heartbeats every 0.1 s."""
 
 import contextlib
 import socket
+import threading
 import time
 
 import attrs
 import pytest
+import zmq
 
 from openprime.core.errors import PeerFailure
 from openprime.core.testing import run_threads
 from openprime.mesh import Coordinator, Evicted, JoinRefused, MeshClient, MeshConfig
+from openprime.mesh.protocol import pack, unpack
 
 FAST = MeshConfig(heartbeat_interval_s=0.1, num_missed_heartbeats=3, sync_timeout_s=10, num_all_reduce_tries=2)
 
@@ -630,6 +633,87 @@ def test_a_restarted_coordinator_takes_the_straggler_deadline_from_what_the_node
             _close(clients)
         finally:
             reborn.stop()
+
+
+@contextlib.contextmanager
+def _restarted_every_half_deadline(coordinator):
+    """Restart `coordinator` at its address every half straggler deadline, 10 times at most, from a thread; yields
+    the list of restarted coordinators (stopped at the end)."""
+    done, restarts = threading.Event(), []
+
+    def restart():
+        current = coordinator
+        while not done.wait(coordinator.straggler_deadline_s() / 2) and len(restarts) < 10:
+            current.stop()
+            time.sleep(0.05)
+            current = Coordinator(coordinator.config, bind=coordinator.address).start()
+            restarts.append(current)
+
+    restarter = threading.Thread(target=restart, daemon=True)
+    restarter.start()
+    try:
+        yield restarts
+    finally:
+        done.set()
+        restarter.join(10)
+        for c in restarts:
+            c.stop()
+
+
+def _compute_then(client, call):
+    time.sleep(1.0)  # the outer step's compute, as timed before (reported in the sync: compute_s)
+    return call(client)
+
+
+@pytest.mark.parametrize("where", ["barrier", "commit"])
+def test_a_coordinator_restarted_again_and_again_still_evicts_a_straggler_on_time(where):
+    # tools/chaos.py (seed 18, 2 local ranks, 2026-12-05): while a node's local rank 1 hung, the coordinator was
+    # killed every 11-13 s; each restart timed the 15 s straggler deadline from its own start, so the hung node was
+    # never late and the run stalled 80 s. The nodes now say how long they have waited (waited_s), and a restarted
+    # coordinator times the barrier, and the commit, from when they came.
+    with _timed_run(3, (1.0,)) as (coordinator, clients):
+        deadline_s = coordinator.straggler_deadline_s()
+        assert 1.0 <= deadline_s < 1.6
+        if where == "commit":  # all three at the barrier; then node-2 hangs and never reports on its all-reduce
+            run_threads([lambda c=c: _compute_then(c, lambda c: c.sync(2)) for c in clients])
+        start = time.monotonic()
+        with _restarted_every_half_deadline(coordinator) as restarts:
+            if where == "barrier":  # node-2 heartbeats but never comes
+                results = run_threads([lambda c=c: _compute_then(c, lambda c: c.sync(2)) for c in clients[:2]])
+                waited = time.monotonic() - start - 1.0
+                assert results[0].members == ("node-0", "node-1")
+            else:
+                results = run_threads([lambda c=c: c.commit(2, 0, False) for c in clients[:2]])
+                waited = time.monotonic() - start
+                assert results == [False, False]
+        # The deadline plus a resend to the coordinator up then; before, after the last restart (5 deadlines).
+        assert deadline_s <= waited < deadline_s + 1.0, (waited, len(restarts))
+        assert restarts  # at least one restart came before the deadline
+        _close(clients)
+
+
+def test_a_resent_sync_that_crosses_its_view_opens_no_barrier(coordinator):
+    # A node resends its sync every request timeout until answered; one resend can reach the coordinator after the
+    # view answered it. Taken as an arrival at the next barrier, it said the node had been waiting for seconds
+    # (waited_s), so a member still computing looked late at once: a healthy donor was evicted (seen in
+    # test_after_a_view_that_admitted_a_node_its_donor_is_waited_for_..., one run in four).
+    clients = _clients(coordinator, 2)
+    run_threads([lambda c=c: c.sync(0) for c in clients])
+    req = coordinator._viewed["node-0", clients[0].incarnation]
+    stale = {"op": "sync", "req": req, "node": "node-0", "incarnation": clients[0].incarnation, "slot": 0,
+             "epoch": clients[0].view.epoch, "members": list(clients[0].view.members), "step": 0, "attempt": 0,
+             "waited_s": 5.0}
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        sock.connect(coordinator.address)
+        sock.send(pack(stale, run_id=FAST.run_id, secret=None))
+        sock.send(pack({"op": "status", "req": req + 1}, run_id=FAST.run_id, secret=None))
+        assert sock.poll(3000)  # answered in order: the stale sync was handled before the status
+        unpack(sock.recv(), run_id=FAST.run_id, secret=None, max_bytes=1 << 20)
+    finally:
+        sock.close(linger=0)
+    assert "node-0" not in coordinator._waiting
+    _close(clients)
 
 
 def test_in_a_try_that_admitted_a_node_a_hung_joiner_is_timed_from_its_donor_s_report():

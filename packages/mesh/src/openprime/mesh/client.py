@@ -115,7 +115,9 @@ class MeshClient:
         """Send until answered or `deadline`; raise PeerFailure (coordinator) at the deadline."""
         req = next(self._req_ids)
         message = {"op": op, "req": req, **self._belief(), **fields}
+        first_sent = time.monotonic()
         while True:
+            message["waited_s"] = time.monotonic() - first_sent  # protocol.py: deadlines survive a restart
             sock.send(pack(message, run_id=self.config.run_id, secret=self._secret))
             self._warn_if_silent()  # also at join, before there are heartbeats: a wrong address, no coordinator yet
             resend_at = min(deadline, time.monotonic() + self.config.request_timeout_s)

@@ -104,6 +104,7 @@ class Coordinator:
         self.members: list[str] = []
         self.step = 0
         self._waiting: dict[str, tuple[bytes, int, dict]] = {}  # node -> (route, req, message) at the barrier
+        self._viewed: dict[tuple[str, str], int] = {}  # (node, incarnation) -> the last sync request answered
         self._clock = StragglerClock(config)  # who is late at the barrier or in the commit (stragglers.py)
         self._committee: Committee | None = None
         self._decisions: dict[tuple[int, int], bool] = {}
@@ -282,12 +283,17 @@ class Coordinator:
         record = self._known(message)
         if record is None:
             return {"op": "evicted"}
+        if message["req"] <= self._viewed.get((message["node"], message["incarnation"]), 0):
+            # A resend of a sync already answered with a view, crossing the answer: it would open the next barrier
+            # with an arrival in the past (waited_s) and make the members still on their way look late.
+            return None
         if record.slot < 0:
             record.slot = self._valid_slot(message["node"], message["slot"])
         if isinstance(message.get("hash"), str) and isinstance(message.get("hash_step"), int):
             self._record_hash(message["node"], message["hash_step"], message["hash"])
         for sender, rate in (message.get("bw") or {}).items():
             self.bandwidth[(sender, message["node"])] = float(rate)
+        message["arrived_at"] = self._sent_at(message)
         self._waiting[message["node"]] = (route, message["req"], message)
         return None  # answered when the barrier completes
 
@@ -302,13 +308,18 @@ class Coordinator:
             # A coordinator that restarted mid-commit: the members re-form the committee as they report.
             committee = self._committee = Committee(step=key[0], attempt=key[1], epoch=self.epoch,
                                                     members=frozenset(self.members))
-        committee.reported_at.setdefault(message["node"], time.monotonic())
+        committee.reported_at.setdefault(message["node"], self._sent_at(message))
         self._clock.reported(message.get("compute_s"))
         committee.reports[message["node"]] = message["ok"]
         if not message["ok"]:
             self._doom(committee, f"node {message['node']} reported that its part failed")
         committee.waiting[message["node"]] = (route, message["req"])
         return None
+
+    def _sent_at(self, message: dict) -> float:
+        """When the node first sent this request (time.monotonic() here): it has waited `waited_s` for an answer,
+        across a restart of this coordinator. At most the straggler bound ago (a clock that jumped)."""
+        return time.monotonic() - min(float(message.get("waited_s", 0.0)), self.config.straggler_timeout_s)
 
     def _on_leave(self, route: bytes, message: dict) -> dict:
         if self._known(message) is not None:
@@ -333,6 +344,8 @@ class Coordinator:
         # The last view (self.members) keeps the node until the next barrier forms a view without it.
         self.nodes.pop(node, None)
         self._waiting.pop(node, None)
+        for key in [k for k in self._viewed if k[0] == node]:
+            del self._viewed[key]
         self._unproven.discard(node)
         self.evictions.append(node)
         log.warning("node %s removed: %s", node, why)
@@ -363,6 +376,8 @@ class Coordinator:
     def _evict_stragglers(self, now: float) -> None:
         """Members that heartbeat but do not come to the barrier (a process of theirs hung) would hold everyone
         until the members' sync timeout: evict them about one outer step's compute time late (stragglers.py)."""
+        if self._just_started():
+            return  # the members waiting resend within a request timeout, saying how long they have waited
         arrived = {m: self._waiting[m][2] for m in self.members if m in self.nodes and m in self._waiting}
         live = [m for m in self.members if m in self.nodes]
         for m, deadline_s in self._clock.late_at_barrier(now, live, arrived):
@@ -421,8 +436,9 @@ class Coordinator:
                 "attempt": attempt, "skip": skip, "slots": [[m, self.nodes[m].slot] for m in members],
                 "store": self.store}
         self._committee = Committee(step=step, attempt=attempt, epoch=self.epoch, members=frozenset(members))
-        for route, req, _ in self._waiting.values():
+        for node, (route, req, message) in self._waiting.items():
             self._reply(route, req, view)
+            self._viewed[node, message["incarnation"]] = req
         self._waiting.clear()
         self._clock.view_formed(members, new)
         log.info("outer step %d try %d: epoch %d, %d nodes%s%s", step, attempt, self.epoch, len(members),
@@ -477,6 +493,8 @@ class Coordinator:
         """A member alive by its heartbeats that does not report on its all-reduce (a process of it hung after its
         barrier: it never built its group) would hold the others in their commit until their sync timeout: evict
         it as late after the first report as a straggler at the barrier (stragglers.py)."""
+        if self._just_started():
+            return  # as at the barrier: the members resend their reports first
         for m, waited_s in self._clock.late_in_commit(now, committee.members, committee.reported_at, self.nodes):
             self._remove(m, f"alive but did not report on the all-reduce of outer step {committee.step} "
                             f"{waited_s:.0f}s after the first member did (a process of it hung after the "

@@ -13,6 +13,10 @@ restarted coordinator rebuilds its state from what the nodes report):
     commit     {node, incarnation, step, attempt, ok, compute_s}   -> decision {apply}
     leave      {node, incarnation}                                 -> ok          (the deathrattle)
     status     {}                                                  -> status {...} (tools and tests)
+
+Every request also carries `waited_s`, the seconds since the node first sent it (it resends a request until
+answered): a coordinator restarted while nodes wait at the barrier or for a decision times its straggler
+deadlines from when they came, not from its restart (stragglers.py).
 """
 
 from __future__ import annotations
@@ -96,10 +100,11 @@ def check_request(message: dict[str, Any]) -> str:
     if bandwidth is not None and not (isinstance(bandwidth, dict) and all(
             isinstance(k, str) and isinstance(v, int | float) and v >= 0 for k, v in bandwidth.items())):
         raise BadMessage(f"{op}: bw must map node ids to non-negative rates")
-    compute_s = message.get("compute_s")
-    if compute_s is not None and not (isinstance(compute_s, int | float) and not isinstance(compute_s, bool)
-                                      and 0 <= compute_s < float("inf")):
-        raise BadMessage(f"{op}: compute_s must be a non-negative number of seconds")
+    for name in ("compute_s", "waited_s"):
+        seconds = message.get(name)
+        if seconds is not None and not (isinstance(seconds, int | float) and not isinstance(seconds, bool)
+                                        and 0 <= seconds < float("inf")):
+            raise BadMessage(f"{op}: {name} must be a non-negative number of seconds")
     terms = message.get("terms")
     if terms is not None and not (isinstance(terms, dict) and all(
             isinstance(k, str) and isinstance(v, str) for k, v in terms.items())):

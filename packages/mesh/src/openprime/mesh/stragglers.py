@@ -10,6 +10,11 @@ and says who is late (`MeshConfig.straggler_deadline_s`: about one outer step's 
     compute time = from an applied commit to the first arrival at the next barrier (the fastest member), as the
                    nodes measure it themselves (`compute_s` in their sync and commit messages, so that a restarted
                    coordinator keeps it) or else as this clock saw it; the longest of the last NUM_COMPUTE_SAMPLES
+    arrival        = when a member first sent its sync (or its report on the all-reduce): the coordinator's receipt
+                   less the `waited_s` the node states, so that a coordinator restarted while the members wait
+                   times them from when they came, not from its restart (which chaos.py's restarts, every 11-13 s
+                   against a 15 s deadline, put off for 80 s); a coordinator that just (re)started evicts no
+                   straggler for its first `recovery_window_s`, while the members resend
 
 Two exceptions, both about live recovery: at the barrier right after a view that admitted nodes, its donor is
 waited for up to the bound (in non-blocking recovery it sends the state before it comes) and the clock starts
@@ -76,24 +81,30 @@ class StragglerClock:
 
     def late_at_barrier(self, now: float, members: Collection[str], arrived: Mapping[str, Mapping]) -> list[
             tuple[str, float]]:
-        """The live `members` not at the barrier (`arrived`: member -> its sync message) that are late, with the
-        deadline each missed: `deadline_s(m)` after the first member that trained arrived, and at the latest the
-        bound after the first member at all."""
+        """The live `members` not at the barrier (`arrived`: member -> its sync message, with the coordinator's
+        `arrived_at`: when the member first sent it, across a coordinator restart) that are late, with the deadline
+        each missed: `deadline_s(m)` after the first member that trained arrived, and at the latest the bound after
+        the first member at all."""
         if not arrived:
             self.barrier_reset()
             return []
-        if self._opened is None:
-            self._opened = now
+
+        def first(ms: Collection[str]) -> float:
+            return min(arrived[m].get("arrived_at", now) for m in ms)
+
+        self._opened = first(arrived) if self._opened is None else min(self._opened, first(arrived))
         trained = [m for m in arrived if m not in self._fresh]
-        if self._trained_arrived is None and trained:
-            self._trained_arrived = now
+        if trained and self._trained_arrived is None:
+            self._trained_arrived = first(trained)
             # What the nodes measured themselves (the fastest, if several came at once): kept across restarts.
             reported = [arrived[m]["compute_s"] for m in trained if "compute_s" in arrived[m]]
             if reported:
                 self._compute_s.append(float(min(reported)))
             elif self._applied_at is not None:
-                self._compute_s.append(now - self._applied_at)
+                self._compute_s.append(max(0.0, self._trained_arrived - self._applied_at))
             self._applied_at = None
+        elif trained:  # one that came earlier, heard only now (it resent to a restarted coordinator)
+            self._trained_arrived = min(self._trained_arrived, first(trained))
         late = []
         for m in members:
             if m in arrived:
