@@ -480,6 +480,9 @@ class Phase:
             deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
             while time.monotonic() < deadline and any(self.launcher.procs[n].is_alive() for n in alive):
                 time.sleep(0.2)
+            if any(self.launcher.procs[n].is_alive() for n in alive):
+                with output_to(self.node_log):  # where the nodes that ignore SIGTERM wait (a C call, a collective)
+                    self.launcher.dump_stacks()
             for node in alive:
                 proc = self.launcher.procs[node]
                 if proc.is_alive():
