@@ -1,16 +1,24 @@
 """Aborting a doomed try (openprime.mesh.abort): the coordinator marks a try whose member it lost, or whose member
 reported a failure, and each process's watch closes that try's transport, in one process (threads). Fast:
 heartbeats every 0.1 s. The whole path on real node processes is in tests/test_elastic.py
-(test_a_node_frozen_inside_the_all_reduce_holds_the_others_an_eviction_timeout_not_their_deadline)."""
+(test_a_node_frozen_inside_the_all_reduce_holds_the_others_an_eviction_timeout_then_rejoins)."""
 
 import threading
 import time
 
 import pytest
 
+from openprime.core.distributed import store_client
 from openprime.core.testing import run_threads
 from openprime.mesh import Coordinator, MeshClient, MeshConfig
-from openprime.mesh.abort import TryWatch, abort_key, store_client, try_group
+from openprime.mesh.abort import TryWatch, abort_key, try_group
+
+
+def _client(address: str):
+    """A client of the coordinator's rendezvous store at host:port."""
+    host, port = address.rsplit(":", 1)
+    return store_client(host, int(port), timeout_s=5)
+
 
 FAST = MeshConfig(heartbeat_interval_s=0.1, num_missed_heartbeats=3, sync_timeout_s=10, min_nodes=3)
 
@@ -41,7 +49,7 @@ def _view(coordinator):
 
 
 def _doomed(coordinator, group: str) -> str | None:
-    store = store_client(coordinator.store, timeout_s=5)
+    store = _client(coordinator.store)
     key = abort_key(group)
     return store.get(key).decode() if store.check([key]) else None
 
@@ -105,7 +113,7 @@ def test_the_watch_closes_the_transport_of_a_doomed_try_only(coordinator):
         # A key set for a try no longer watched closes nothing.
         watch.watch(coordinator.store, try_group("run", 1, 5, 0), kept)
         watch.unwatch()
-        store_client(coordinator.store, timeout_s=5).set(abort_key(try_group("run", 1, 5, 0)), "late")
+        _client(coordinator.store).set(abort_key(try_group("run", 1, 5, 0)), "late")
         time.sleep(0.3)
         assert not kept.closed.is_set() and watch.num_aborted == 1
     finally:

@@ -21,15 +21,15 @@ def host_store(host: str = "127.0.0.1", port: int = 0, *, timeout_s: float) -> d
     )
 
 
+def store_client(host: str, port: int, *, timeout_s: float) -> dist.TCPStore:
+    """A client of the rendezvous store at host:port, over the whole of its keys."""
+    return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
 def connect_store(rendezvous: Rendezvous, timeout_s: float, *, suffix: str = "") -> dist.Store:
     """A client of the rendezvous store, scoped to the group's own key prefix (plus `suffix`)."""
-    store = dist.TCPStore(
-        rendezvous.host,
-        rendezvous.port,
-        is_master=False,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
-    return dist.PrefixStore(rendezvous.group + suffix, store)
+    return dist.PrefixStore(rendezvous.group + suffix, store_client(rendezvous.host, rendezvous.port,
+                                                                    timeout_s=timeout_s))
 
 
 def gloo_group(store: dist.Store, rank: int, world_size: int, *, timeout_s: float,

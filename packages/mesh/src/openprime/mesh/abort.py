@@ -27,13 +27,13 @@ applied, so a try that succeeds is never cut.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import socket
 import threading
 
 import torch.distributed as dist
 
+from openprime.core.distributed import store_client
 from openprime.core.transport import Transport
 
 log = logging.getLogger("openprime.mesh.abort")
@@ -47,12 +47,6 @@ def try_group(run_id: str, epoch: int, step: int, attempt: int) -> str:
 def abort_key(group: str) -> str:
     """The store key that says the try of `try_group` is doomed; its value says why."""
     return f"{group}/abort"
-
-
-def store_client(address: str, timeout_s: float) -> dist.TCPStore:
-    """A client of the coordinator's rendezvous store at `address` (host:port)."""
-    host, port = address.rsplit(":", 1)
-    return dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 class TryWatch:
@@ -139,5 +133,5 @@ class TryWatch:
             # restarting) last longer than its timeout and print a C++ trace each time.
             host, port = address.rsplit(":", 1)
             socket.create_connection((host, int(port)), timeout=min(self.poll_s, self.connect_timeout_s)).close()
-            self._client = (address, store_client(address, self.connect_timeout_s))
+            self._client = (address, store_client(host, int(port), timeout_s=self.connect_timeout_s))
         return self._client[1]
