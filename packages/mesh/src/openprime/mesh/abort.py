@@ -67,9 +67,7 @@ class TryWatch:
         """From now on, close `transport` if the try of `group` is doomed (replaces what was watched)."""
         with self._lock:
             self._target = (store, abort_key(group), transport)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="openprime-try-watch", daemon=True)
-                self._thread.start()
+            self._start_locked()
 
     def unwatch(self) -> None:
         """The try is over (committed): nothing to close any more."""
@@ -80,10 +78,14 @@ class TryWatch:
         """Tell every process of the try of `group` that it is doomed (set in the background: never blocks)."""
         with self._lock:
             self._to_set.append((store, abort_key(group), reason))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="openprime-try-watch", daemon=True)
-                self._thread.start()
+            self._start_locked()
         self._wake.set()
+
+    def _start_locked(self) -> None:
+        """Start the thread if it is not running yet (called holding the lock)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="openprime-try-watch", daemon=True)
+            self._thread.start()
 
     def close(self) -> None:
         with self._lock:
