@@ -573,27 +573,74 @@ def test_a_straggler_is_evicted_once_it_is_an_outer_steps_compute_late_not_at_th
         _close(clients)
 
 
-def test_after_a_view_that_admitted_a_node_its_donor_is_waited_for_and_the_joiners_early_arrival_starts_no_clock():
+def _admitted_and_applied(coordinator, clients):
+    """`_admit` a node at outer step 2 and commit it: the next barrier is the one right after the view that admitted
+    it, whose donor is node-0 (the first old member)."""
+    late = _admit(coordinator, clients, 2)
+    assert run_threads([lambda c=c: c.commit(2, 0, True) for c in [*clients, late]]) == [True] * 4
+    return late
+
+
+def _arrive(client, after_s):
+    time.sleep(after_s)
+    return client.sync(3)
+
+
+def test_after_a_view_that_admitted_a_node_its_donor_is_waited_for_while_it_sends_and_the_joiner_starts_no_clock():
     # In non-blocking recovery the donor sends the state after the commit and comes to the next barrier only once
-    # that is done (INTELLECT-1's transfers took 30-60 minutes, longer than an outer step), and the joiner, which
-    # sits that step out, comes at once. Neither may make a healthy member look like a straggler.
+    # that is done (INTELLECT-1's transfers took 30-60 minutes, longer than an outer step); the joiner, which sits
+    # that step out, comes as soon as it has the state. Neither may make a healthy member look like a straggler.
     with _timed_run(3, (0.3,), attrs.evolve(TIMED, sync_timeout_s=3.0)) as (coordinator, clients):  # bound: 2.4 s
-        late = _admit(coordinator, clients, 2)
-        assert run_threads([lambda c=c: c.commit(2, 0, True) for c in [*clients, late]]) == [True] * 4
+        late = _admitted_and_applied(coordinator, clients)
         assert coordinator.straggler_deadline_s("node-0") == coordinator.config.straggler_timeout_s  # the donor
         assert coordinator.straggler_deadline_s("node-1") < 1.0
-
-        def arrive(client, after_s):
-            time.sleep(after_s)
-            return client.sync(3)
-
-        # The joiner at once, node-1 after 0.8 s of training (more than the 0.3 s deadline after the joiner), the
-        # donor after 1.6 s (more than that after node-1, less than the bound); node-2 hangs.
-        views = run_threads([lambda: arrive(late, 0.0), lambda: arrive(clients[1], 0.8),
-                             lambda: arrive(clients[0], 1.6)])
+        # node-1 after 0.3 s of training; the transfer takes 1.2 s, so the joiner comes then, 0.9 s after node-1 (more
+        # than the 0.3 s deadline) and the donor 0.1 s after the joiner; node-2 hangs.
+        views = run_threads([lambda: _arrive(clients[1], 0.3), lambda: _arrive(late, 1.2),
+                             lambda: _arrive(clients[0], 1.3)])
         assert coordinator.evictions == ["node-2"]
         assert all(v.members == ("node-0", "node-1", "late") for v in views), views
         _close([*clients, late])
+
+
+@pytest.mark.parametrize("joiner", ["comes", "leaves"])
+def test_a_donor_that_hangs_after_its_transfer_is_evicted_on_the_usual_deadline_not_the_bound(joiner):
+    # Found by tools/chaos.py (seed 19, non-blocking recovery, 2 local ranks): local rank 1 of the donor hung just
+    # after a 0.1 s transfer, and the others waited for the donor up to the bound (by default two hours) because it
+    # might still have been sending. Once its joiner is at the barrier (or gone), it has nothing left to send.
+    with _timed_run(3, (0.3,), attrs.evolve(TIMED, sync_timeout_s=3.0)) as (coordinator, clients):  # bound: 2.4 s
+        late = _admitted_and_applied(coordinator, clients)
+        start = time.monotonic()
+        if joiner == "leaves":
+            late.close()  # its deathrattle removes it: the transfer broke, and the donor's send fails at once
+            others = [lambda: _arrive(clients[1], 0.3), lambda: _arrive(clients[2], 0.3)]
+        else:
+            others = [lambda: _arrive(late, 0.05), lambda: _arrive(clients[1], 0.3), lambda: _arrive(clients[2], 0.3)]
+        views = run_threads(others)  # node-0, the donor, hangs; its heartbeats go on
+        waited = time.monotonic() - start
+        assert coordinator.evictions == (["late", "node-0"] if joiner == "leaves" else ["node-0"])
+        assert 0.5 <= waited < 1.6, waited  # node-1's arrival + the 0.3 s deadline; the bound was 2.4 s after it
+        expected = ("node-1", "node-2") if joiner == "leaves" else ("node-1", "node-2", "late")
+        assert all(v.members == expected for v in views), views
+        with pytest.raises(Evicted):
+            clients[0].sync(3)
+        _close([*clients[1:], late])
+
+
+def test_a_joiner_that_hangs_after_the_donor_came_is_evicted_on_the_usual_deadline():
+    # The joiners wait only while the transfer may be going: the donor comes once it has sent the state to all of
+    # them, so a joiner still missing a deadline after that is a straggler like any member.
+    with _timed_run(3, (0.3,), attrs.evolve(TIMED, sync_timeout_s=3.0)) as (coordinator, clients):  # bound: 2.4 s
+        late = _admitted_and_applied(coordinator, clients)
+        start = time.monotonic()
+        views = run_threads([lambda c=c: _arrive(c, 0.3) for c in clients])  # the joiner hangs after the commit
+        waited = time.monotonic() - start
+        assert coordinator.evictions == ["late"]
+        assert 0.5 <= waited < 1.6, waited
+        assert all(v.members == ("node-0", "node-1", "node-2") for v in views), views
+        with pytest.raises(Evicted):
+            late.sync(3)
+        _close(clients)
 
 
 def test_a_member_that_never_reports_on_its_all_reduce_is_evicted_and_the_others_retry_without_it():

@@ -16,11 +16,18 @@ and says who is late (`MeshConfig.straggler_deadline_s`: about one outer step's 
                    against a 15 s deadline, put off for 80 s); a coordinator that just (re)started evicts no
                    straggler for its first `recovery_window_s`, while the members resend
 
-Two exceptions, both about live recovery: at the barrier right after a view that admitted nodes, its donor is
-waited for up to the bound (in non-blocking recovery it sends the state before it comes) and the clock starts
-with the first member that trained, not with the joiner, which sat the step out and comes at once; in a try that
-admitted nodes, the donor and the new nodes are timed among themselves (in blocking recovery they report on the
-all-reduce only once the transfer is over, which may take longer than an outer step).
+Two exceptions, both about live recovery. At the barrier right after a view that admitted nodes, the donor and
+the joiners of that view are timed by the transfer, not by the others' compute: in non-blocking recovery the
+donor sends the state after the commit and comes only once it has sent it to every joiner, and a joiner sits the
+step out and comes as soon as it has the state (or the transfer broke); a transfer may take longer than an outer
+step (INTELLECT-1's: 30-60 minutes). So the clock starts with the first member that trained; the donor's only
+once every joiner has come or gone, the joiners' only once the donor has come or gone, and until then only the
+bound applies to them. Until 2026-12-05 the donor was waited for up to the bound whatever its joiners did, and a
+joiner whose transfer outlasted the deadline was evicted: chaos.py (seed 19) hung local rank 1 of a donor just
+after a 0.1 s transfer, and the run stood still until the harness let it go 30 s later (by default it would have
+been two hours). In a try that admitted nodes, the donor and the new nodes are timed among themselves (in
+blocking recovery they report on the all-reduce only once the transfer is over, which may take longer than an
+outer step).
 """
 
 from __future__ import annotations
@@ -47,11 +54,17 @@ class StragglerClock:
         self._view_donor: str | None = None
         self._fresh: frozenset[str] = frozenset()
         self._donor: str | None = None
+        # At the barrier: when the transfer was over for the donor (every one of _fresh came or left) and for the
+        # joiners (the donor left; if it came, its arrival).
+        self._donor_freed: float | None = None
+        self._joiners_freed: float | None = None
 
     def deadline_s(self, member: str | None = None) -> float:
         """How long after the first member the barrier waits for `member`: the sync-timeout bound for the donor of
-        the view that admitted nodes just before, else MeshConfig.straggler_deadline_s of the compute time."""
-        known = max(self._compute_s) if self._compute_s and (self._donor is None or member != self._donor) else None
+        the view that admitted nodes just before while it may still be sending them the state, else
+        MeshConfig.straggler_deadline_s of the compute time."""
+        sending = self._donor is not None and member == self._donor and self._donor_freed is None
+        known = max(self._compute_s) if self._compute_s and not sending else None
         return self.config.straggler_deadline_s(known)
 
     def known_compute(self) -> str:
@@ -64,12 +77,14 @@ class StragglerClock:
         self._view_new = frozenset(new)
         self._view_donor = next((m for m in members if m not in self._view_new), None) if new else None  # elastic.py
         self._fresh, self._donor = frozenset(), None
+        self._donor_freed = self._joiners_freed = None
 
     def barrier_reset(self) -> None:
-        self._opened = self._trained_arrived = None
+        self._opened = self._trained_arrived = self._donor_freed = self._joiners_freed = None
 
     def applied(self, now: float) -> None:
         self._applied_at, self._fresh, self._donor = now, self._view_new, self._view_donor
+        self._donor_freed = self._joiners_freed = None
 
     def reported(self, compute_s: float | None) -> None:
         """A member reported on its all-reduce, with its own compute time: taken only when nothing is timed (this
@@ -111,12 +126,36 @@ class StragglerClock:
                 continue
             deadline_s = self.config.straggler_timeout_s
             missed = now - self._opened > deadline_s
-            if not missed and self._trained_arrived is not None:
+            since = self._clock_start(m, now, members, arrived)
+            if not missed and since is not None:
                 deadline_s = self.deadline_s(m)
-                missed = now - self._trained_arrived > deadline_s
+                missed = now - since > deadline_s
             if missed:
                 late.append((m, deadline_s))
         return late
+
+    def _clock_start(self, m: str, now: float, members: Collection[str],
+                     arrived: Mapping[str, Mapping]) -> float | None:
+        """When `m`'s deadline starts: the first member that trained came (None: none yet), and for the donor and the
+        joiners of the view before, not before their transfer is over (None while it may still be going)."""
+        since = self._trained_arrived
+        if since is None or self._donor is None or (m != self._donor and m not in self._fresh):
+            return since
+        if m == self._donor:
+            if self._donor_freed is None:
+                if any(j in members and j not in arrived for j in self._fresh):
+                    return None  # still sending to a joiner
+                came = [arrived[j].get("arrived_at", now) for j in self._fresh if j in arrived]
+                gone = any(j not in arrived for j in self._fresh)  # left or evicted: noticed now
+                self._donor_freed = now if gone or not came else max(came)
+            return max(since, self._donor_freed)
+        if self._donor in arrived:  # it comes once it has sent the state to every joiner
+            return max(since, arrived[self._donor].get("arrived_at", now))
+        if self._donor in members:
+            return None  # the transfer may still be going
+        if self._joiners_freed is None:
+            self._joiners_freed = now  # the donor left or was evicted: noticed now
+        return max(since, self._joiners_freed)
 
     def late_in_commit(self, now: float, members: Collection[str], reported_at: Mapping[str, float],
                        alive: Collection[str]) -> list[tuple[str, float]]:
