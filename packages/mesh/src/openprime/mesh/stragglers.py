@@ -73,11 +73,10 @@ class StragglerClock:
     # ------------------------------------------------------------------ what the coordinator tells it
 
     def view_formed(self, members: Collection[str], new: Collection[str]) -> None:
-        self._opened = self._trained_arrived = None
+        self.barrier_reset()
         self._view_new = frozenset(new)
         self._view_donor = next((m for m in members if m not in self._view_new), None) if new else None  # elastic.py
         self._fresh, self._donor = frozenset(), None
-        self._donor_freed = self._joiners_freed = None
 
     def barrier_reset(self) -> None:
         self._opened = self._trained_arrived = self._donor_freed = self._joiners_freed = None
