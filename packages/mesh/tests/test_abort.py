@@ -99,6 +99,7 @@ def _wait_doomed(coordinator, group: str) -> str:
 def test_the_watch_closes_the_transport_of_a_doomed_try_only(coordinator):
     group, other = try_group("run", 1, 4, 0), try_group("run", 1, 4, 1)
     watch = TryWatch(poll_s=0.05, connect_timeout_s=5, who="test")
+    other_process = TryWatch(poll_s=0.05, connect_timeout_s=5, who="another process")
     doomed, kept = _Transport(), _Transport()
     try:
         watch.watch(coordinator.store, other, kept)
@@ -106,7 +107,7 @@ def test_the_watch_closes_the_transport_of_a_doomed_try_only(coordinator):
         watch.watch(coordinator.store, group, doomed)  # the next try: `kept`'s is no longer watched
         time.sleep(0.2)
         start = time.monotonic()
-        TryWatch(poll_s=0.05, connect_timeout_s=5, who="another process").doom(coordinator.store, group, "lost")
+        other_process.doom(coordinator.store, group, "lost")
         assert doomed.closed.wait(5), "the doomed try's transport was not closed"
         assert time.monotonic() - start < 1.0
         assert watch.num_aborted == 1
@@ -118,6 +119,7 @@ def test_the_watch_closes_the_transport_of_a_doomed_try_only(coordinator):
         assert not kept.closed.is_set() and watch.num_aborted == 1
     finally:
         watch.close()
+        other_process.close()  # left running, its thread would poll a stopped store every 50 ms through later tests
 
 
 def test_the_watch_survives_a_store_it_cannot_reach():
