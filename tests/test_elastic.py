@@ -42,6 +42,15 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 pytestmark = [pytest.mark.slow, pytest.mark.flaky(reruns=1)]
 
+# A slow link, so that a fault lands inside an all-reduce or a state transfer. At 50 Mbit/s (6.25 MB/s) an fp32
+# all-reduce of the debug model by 3 nodes, which sends and receives 2(n-1)/n x 7.4 MB = 9.8 MB a node, lasts about
+# 1.6 s, and a state transfer (~29 MB: weights, outer momentum, AdamW moments) about 4.6 s. A shaped link waits, it
+# does not compute: these tests keep the 2 cores about 20% busy, so each second of link is a second of the suite's
+# time (at 25 Mbit/s they took 140 s of it).
+SLOW_LINK = ("transport.kind=tcp", "transport.options.shaping.rate_bps=5e7", "transport.options.num_connections=1")
+# 7 outer steps of H = 5 over it: 4 after a fault at the third (the schedule shrunk to fit).
+SLOW_LINK_SHORT = ("schedule.num_warmup_steps=10", "schedule.num_decay_steps=15", "train.num_steps=35")
+
 
 def _config(steps: tuple[str, ...], *extra: str):
     return recipe_config(ROOT / "recipes" / "debug.py", [*FAST, *steps, *extra])
@@ -84,14 +93,12 @@ def test_kill_during_inner_steps(tmp_path):
 
 
 def test_kill_during_the_all_reduce(tmp_path):
-    # A slow link (25 Mbit/s) makes each all-reduce of the debug model last seconds: the kill lands inside one.
-    # 35 steps, not 60: 4 outer steps after the kill show the run went on, and each costs 2-3 s of shaped link.
-    launcher = _start(tmp_path, 3, "transport.kind=tcp", "transport.options.shaping.rate_bps=2.5e7",
-                      "transport.options.num_connections=1", steps=("schedule.num_warmup_steps=10",
-                                                                   "schedule.num_decay_steps=15", "train.num_steps=35"))
+    # Over SLOW_LINK each all-reduce of the debug model lasts seconds: the kill lands inside one. The 4 outer steps
+    # after it show the run went on.
+    launcher = _start(tmp_path, 3, *SLOW_LINK, steps=SLOW_LINK_SHORT)
     # The coordinator (in this process) says when the members of outer step 3 have their view and are all-reducing
     # (it counts outer steps from 0, the records from 1): the kill lands half a second into that all-reduce (of
-    # about 3 s), whatever the machine's load.
+    # about 1.6 s, longer on a busy machine), whatever the machine's load.
     coordinator = launcher.coordinator_server
     wait_until(lambda: coordinator.all_reducing == 3 - 1, timeout_s=120)
     time.sleep(0.5)
@@ -121,9 +128,9 @@ def test_a_node_frozen_inside_the_all_reduce_holds_the_others_an_eviction_timeou
     # held the others until their collective deadline, 2(n-1) x timeouts.op_s: 4 minutes here at op_s = 60 s, 28
     # minutes for 8 nodes at the default 120 s. The coordinator evicts it after an eviction timeout (1.5 s) and
     # marks the try doomed; every process closes that try's transport within a poll (openprime.mesh.abort) and
-    # retries without it. A slow link (25 Mbit/s) makes each all-reduce last seconds, so the freeze lands inside one.
-    launcher = _start(tmp_path, 3, "transport.kind=tcp", "transport.options.shaping.rate_bps=2.5e7",
-                      "transport.options.num_connections=1", "timeouts.op_s=60")
+    # retries without it. Over SLOW_LINK each all-reduce lasts seconds, so the freeze lands inside one; node 2
+    # rejoins an outer step or two later (blocking recovery: the others wait for its transfer) and trains to the end.
+    launcher = _start(tmp_path, 3, *SLOW_LINK, "timeouts.op_s=60", steps=SLOW_LINK_SHORT)
     coordinator = launcher.coordinator_server
     wait_until(lambda: coordinator.all_reducing == 3 - 1, timeout_s=120)  # outer step 3 (the records count from 1)
     time.sleep(0.5)
@@ -178,18 +185,16 @@ def test_node_started_mid_run_is_admitted_at_the_next_outer_step(tmp_path, mode)
     assert max(beyond_the_ring(0), beyond_the_ring(1)) > 25e6
 
 
-# For the transfers over a slow link: every outer step's all-reduce crosses it too (int8: about 0.8 s for 3 nodes),
+# For the transfers over SLOW_LINK: every outer step's all-reduce crosses it too (int8: about 0.4 s for 3 nodes),
 # so H = 10 halves their number; 12 outer steps leave room for a joiner started after the third.
 SLOW_LINK_RUN = ("diloco.num_inner_steps=10", "schedule.num_warmup_steps=20", "schedule.num_decay_steps=40",
                  "train.num_steps=120")
 
 
 def test_donor_killed_mid_transfer_the_joiner_finishes_from_another(tmp_path):
-    # 25 Mbit/s links make the ~29 MB transfer (weights, outer momentum, AdamW state) last about 10 s;
-    # int8 keeps the all-reduces short. The donor is the first old member of the view that admits node 3.
-    launcher = _start(tmp_path, 3, "transport.kind=tcp", "transport.options.shaping.rate_bps=2.5e7",
-                      "transport.options.num_connections=1", "diloco.compression=int8", "checkpoint.mode=off",
-                      steps=SLOW_LINK_RUN)
+    # Over SLOW_LINK the ~29 MB transfer lasts about 4.6 s; int8 keeps the all-reduces short. The donor is the
+    # first old member of the view that admits node 3.
+    launcher = _start(tmp_path, 3, *SLOW_LINK, "diloco.compression=int8", "checkpoint.mode=off", steps=SLOW_LINK_RUN)
     wait_for(launcher.run_dir, outer_done(0, 3))
     joiner = len(launcher.procs)
     launcher.start_node()
@@ -209,10 +214,9 @@ def test_donor_killed_mid_transfer_the_joiner_finishes_from_another(tmp_path):
 
 
 def test_joiner_killed_mid_transfer_the_donor_is_unaffected(tmp_path):
-    # Non-blocking: after the outer step that admits node 3, its donor sends it the state (~29 MB at
-    # 25 Mbit/s, about 10 s) from a background thread while everyone trains; node 3 is killed during it.
-    launcher = _start(tmp_path, 3, "transport.kind=tcp", "transport.options.shaping.rate_bps=2.5e7",
-                      "transport.options.num_connections=1", "diloco.compression=int8", "checkpoint.mode=off",
+    # Non-blocking: after the outer step that admits node 3, its donor sends it the state (~29 MB over SLOW_LINK,
+    # about 4.6 s) from a background thread while everyone trains; node 3 is killed a second into it.
+    launcher = _start(tmp_path, 3, *SLOW_LINK, "diloco.compression=int8", "checkpoint.mode=off",
                       "diloco.recovery=non_blocking", steps=SLOW_LINK_RUN)
     wait_for(launcher.run_dir, outer_done(0, 3))
     launcher.start_node()  # node 3
