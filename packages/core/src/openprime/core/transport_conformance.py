@@ -9,6 +9,8 @@ they are top-level functions. Tests import it from `openprime.core.testing`.
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import functools
 import os
 import signal
@@ -132,9 +134,26 @@ def _body_add(transport, ctx: GroupContext, numels: Sequence[int]) -> list[bool]
     return exact
 
 
+def _side_channel(ctx: GroupContext) -> torch.distributed.Store:
+    """The harness's store under a prefix of its own, beside the transport under test: how a rank that plays a
+    silent peer learns that rank 0 has measured what it waited for, instead of sleeping a fixed while longer."""
+    return connect_store(ctx.rendezvous, timeout_s=10, suffix="/conformance")
+
+
+def _measured(ctx: GroupContext) -> None:
+    """Rank 0: what the test measures is over; the silent peer may go."""
+    _side_channel(ctx).set("measured", "1")
+
+
+def _stay_silent(ctx: GroupContext, at_most_s: float) -> None:
+    """Rank 1: stay alive and silent until rank 0 has measured (at most `at_most_s`: then rank 0's own check fails)."""
+    with contextlib.suppress(RuntimeError):  # torch's DistStoreError at the timeout
+        _side_channel(ctx).wait(["measured"], datetime.timedelta(seconds=at_most_s))
+
+
 def _body_hang(transport, ctx: GroupContext, deadline_s: float) -> float | None:
     if ctx.rank == 1:
-        time.sleep(deadline_s + 3)  # alive but silent: a frozen peer
+        _stay_silent(ctx, deadline_s + 3)  # alive but silent: a frozen peer
         return None
     start = time.monotonic()
     try:
@@ -142,6 +161,8 @@ def _body_hang(transport, ctx: GroupContext, deadline_s: float) -> float | None:
     except PeerFailure as e:
         assert e.peers == (1,), e.peers
         return time.monotonic() - start
+    finally:
+        _measured(ctx)
     raise AssertionError("recv from a silent peer returned")
 
 
@@ -188,11 +209,11 @@ def _body_peer_left(transport, ctx: GroupContext, deadline_s: float) -> list[str
 
 def _body_peer_closes(transport, ctx: GroupContext, linger_s: float) -> float | None:
     """Rank 0 waits to receive from rank 1, which closes its transport after 0.5 s instead of sending and stays
-    alive `linger_s` more: seconds until rank 0's receive raised (its deadline is 30 s)."""
+    alive until rank 0 is done (at most `linger_s`): seconds until rank 0's receive raised (its deadline is 30 s)."""
     if ctx.rank == 1:
         time.sleep(0.5)
         transport.close()
-        time.sleep(linger_s)  # alive: only the close can tell rank 0
+        _stay_silent(ctx, linger_s)  # alive: only the close can tell rank 0
         return None
     start = time.monotonic()
     try:
@@ -200,6 +221,8 @@ def _body_peer_closes(transport, ctx: GroupContext, linger_s: float) -> float | 
     except PeerFailure as e:
         assert e.peers == (1,), e.peers
         return time.monotonic() - start
+    finally:
+        _measured(ctx)
     raise AssertionError("recv from a peer that closed its transport returned")
 
 
@@ -208,7 +231,7 @@ def _body_closed_by_another_thread(transport, ctx: GroupContext, linger_s: float
     the socket buffers, and another thread of rank 0 closes rank 0's transport after 0.5 s (an abort of a doomed
     try: openprime.mesh.elastic). Seconds until each wait raised (deadlines 30 s); rank 1 stays silent."""
     if ctx.rank == 1:
-        time.sleep(linger_s)
+        _stay_silent(ctx, linger_s)
         return None
     big = torch.zeros(256 << 20, dtype=torch.uint8)  # far beyond any socket buffer: the send cannot complete
     start = time.monotonic()
@@ -223,6 +246,7 @@ def _body_closed_by_another_thread(transport, ctx: GroupContext, linger_s: float
             out[name] = "returned"
         except PeerFailure:
             out[name] = time.monotonic() - start
+    _measured(ctx)
     return out
 
 
