@@ -224,6 +224,10 @@ MALFORMED = {
                              "leave: members must be node ids"),
     "bandwidths not a map": (request("sync", attempt=0, bw=[1.0], **belief("x", "i")), "sync: bw must map"),
     "negative bandwidth": (request("sync", attempt=0, bw={"good-0": -1.0}, **belief("x", "i")), "sync: bw must map"),
+    "new not node ids": (request("heartbeat", **belief("x", "i") | {"new": "good-0"}),
+                         "heartbeat: new must be a list of node ids"),
+    "applied not a bool": (request("commit", attempt=0, ok=True, **belief("x", "i") | {"applied": 1}),
+                           "commit: applied must be true or false"),
 }
 
 

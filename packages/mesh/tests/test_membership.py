@@ -643,6 +643,54 @@ def test_a_joiner_that_hangs_after_the_donor_came_is_evicted_on_the_usual_deadli
         _close([*clients, late])
 
 
+def _restart(coordinator):
+    """Stop `coordinator` and start another at its address: what it knew is lost, the nodes report theirs."""
+    coordinator.stop()
+    time.sleep(0.05)
+    return Coordinator(coordinator.config, bind=coordinator.address).start()
+
+
+def test_a_coordinator_restarted_after_a_view_that_admitted_a_node_still_times_donor_and_joiner_by_the_transfer():
+    # A restarted coordinator did not know which view came before: at the barrier after one that admitted a node, it
+    # timed a joiner and a donor still busy with the transfer (non-blocking recovery) like any member, and evicted
+    # both an outer step's compute after the first member came. The nodes now report the view's new nodes and
+    # whether it was applied (their belief, with its epoch and members).
+    with _timed_run(3, (0.3,), attrs.evolve(TIMED, sync_timeout_s=3.0)) as (coordinator, clients):  # bound: 2.4 s
+        late = _admitted_and_applied(coordinator, clients)
+        restarted = _restart(coordinator)
+        try:  # as in the test without a restart: the transfer takes 1.2 s and node-2 hangs
+            views = run_threads([lambda: _arrive(clients[1], 0.3), lambda: _arrive(late, 1.2),
+                                 lambda: _arrive(clients[0], 1.3)])
+            assert restarted.evictions == ["node-2"]
+            assert all(v.members == ("node-0", "node-1", "late") for v in views), views
+        finally:
+            restarted.stop()
+        _close([*clients, late])
+
+
+def test_a_coordinator_restarted_in_a_try_that_admits_a_node_still_times_donor_and_joiner_by_the_transfer():
+    # The same in blocking recovery, where the donor and the joiner report on the all-reduce once the transfer is
+    # over: the restarted coordinator timed them from the first report of the others, and evicted the donor.
+    with _timed_run(3, (0.3, 0.3)) as (coordinator, clients):
+        late = _admit(coordinator, clients, 3)  # node-0 is its donor; the joiner hangs
+        restarted = _restart(coordinator)
+
+        def report(client, after_s):
+            time.sleep(after_s)
+            return client.commit(3, 0, False), time.monotonic() - start
+
+        try:
+            start = time.monotonic()
+            (d1, t1), (d2, t2), (d0, t0) = run_threads([lambda: report(clients[1], 0.0),
+                                                        lambda: report(clients[2], 0.0),
+                                                        lambda: report(clients[0], 1.0)])
+            assert not (d0 or d1 or d2) and restarted.evictions == ["late"]
+            assert 1.2 <= min(t0, t1, t2) < 3.0, (t0, t1, t2)  # the donor's report + about 0.3 s
+        finally:
+            restarted.stop()
+        _close([*clients, late])
+
+
 def test_a_member_that_never_reports_on_its_all_reduce_is_evicted_and_the_others_retry_without_it():
     # Found by tools/chaos.py with 2 local ranks (2026-12-04): local rank 1 of a node hung after its rank 0 had
     # reached the barrier. The node was in the view, never built its group and never reported on the all-reduce;

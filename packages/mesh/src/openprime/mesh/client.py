@@ -78,6 +78,7 @@ class MeshClient:
         self.store = ""  # host:port of the rendezvous store the coordinator hosts
         self.joined_epoch = 0  # the run's epoch when this node joined: 0 means the run had not started
         self.view: View | None = None
+        self._view_applied = False  # the commit of `view`'s try said to apply it
         self.terms: dict[str, str] = {}  # what this node agrees to (join); heartbeats and syncs carry it, so that a
         # restarted coordinator learns the run's terms from its members
         self.evicted = False
@@ -107,9 +108,12 @@ class MeshClient:
 
     def _belief(self) -> dict[str, Any]:
         view = self.view
+        # `new` and `applied` let a restarted coordinator time the donor and the joiners of the view by their
+        # transfer, at its commit (blocking recovery) or at the barrier after it (non-blocking): stragglers.py.
         return {"node": self.node, "incarnation": self.incarnation, "slot": self.slot,
                 "epoch": view.epoch if view else 0, "members": list(view.members) if view else [],
-                "step": view.step if view else 0}
+                "step": view.step if view else 0, "new": list(view.new) if view else [],
+                "applied": self._view_applied}
 
     def _request(self, sock: zmq.Socket, op: str, deadline: float, **fields: Any) -> dict[str, Any]:
         """Send until answered or `deadline`; raise PeerFailure (coordinator) at the deadline."""
@@ -187,6 +191,7 @@ class MeshClient:
                     step=reply["step"], attempt=reply["attempt"], skip=reply["skip"],
                     slots=tuple((n, s) for n, s in reply["slots"]), state_hash=reply.get("state_hash"))
         self.view, self.store = view, self._reachable(reply["store"]) if "store" in reply else self.store
+        self._view_applied = False
         return view
 
     def _reachable(self, store: str) -> str:
@@ -205,6 +210,7 @@ class MeshClient:
             reply = self._request(self._sock, "commit", deadline, step=step, attempt=attempt, ok=ok, **timed)
         if reply["apply"]:
             self._applied_at = time.monotonic()
+            self._view_applied = True
         return bool(reply["apply"])
 
     def status(self) -> dict[str, Any]:

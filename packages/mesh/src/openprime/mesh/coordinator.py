@@ -223,6 +223,12 @@ class Coordinator:
                 # Members get one eviction timeout to speak for themselves; slots come from their reports.
                 self.nodes[node] = NodeRecord(node=node, incarnation="", slot=-1 - i, last_seen=now, joined_at=now)
         self.nodes[message["node"]].slot = self._valid_slot(message["node"], message["slot"])
+        # The view's donor and joiners are timed by their transfer, in its commit (blocking recovery) and at the
+        # barrier after it (non-blocking): without them a restart in the middle of a transfer (INTELLECT-1's took
+        # 30-60 minutes) evicted both once the first member had waited an outer step's compute.
+        self._clock.view_formed(self.members, [n for n in message.get("new", []) if n in self.members])
+        if message.get("applied"):
+            self._clock.applied(now)
 
     @property
     def num_slots(self) -> int:

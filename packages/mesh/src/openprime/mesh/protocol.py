@@ -5,8 +5,9 @@ or nil}. The coordinator checks size, envelope, run id and signature before it r
 the body's fields before it acts on them; a bad message is refused and logged, and it never stops the
 coordinator serving everyone else (DESIGN.md: PRIME's coordinator was a TCPStore in rank 0).
 
-Node -> coordinator (every message also carries the node's belief: epoch, members, step, slot, so a
-restarted coordinator rebuilds its state from what the nodes report):
+Node -> coordinator (every message also carries the node's belief: epoch, members, step, slot, and the nodes the
+view admitted and whether it was applied (new, applied), so a restarted coordinator rebuilds its state from what
+the nodes report):
     join       {node, incarnation}                                 -> joined {slot} | refused {reason}
     heartbeat  {node, incarnation}                                 -> ok | evicted
     sync       {node, incarnation, step, attempt, hash, compute_s} -> view {epoch, members, new, step, attempt, skip}
@@ -96,6 +97,11 @@ def check_request(message: dict[str, Any]) -> str:
             raise BadMessage(f"{op}: field {name!r} missing or not {getattr(kind, '__name__', kind)}")
     if op != "status" and not all(isinstance(m, str) for m in message["members"]):
         raise BadMessage(f"{op}: members must be node ids")
+    new = message.get("new")  # optional, as `applied`: the nodes admitted by the view the node holds
+    if new is not None and not (isinstance(new, list) and all(isinstance(m, str) for m in new)):
+        raise BadMessage(f"{op}: new must be a list of node ids")
+    if message.get("applied") is not None and not isinstance(message["applied"], bool):
+        raise BadMessage(f"{op}: applied must be true or false")
     bandwidth = message.get("bw")
     if bandwidth is not None and not (isinstance(bandwidth, dict) and all(
             isinstance(k, str) and isinstance(v, int | float) and v >= 0 for k, v in bandwidth.items())):

@@ -27,7 +27,8 @@ joiner whose transfer outlasted the deadline was evicted: chaos.py (seed 19) hun
 after a 0.1 s transfer, and the run stood still until the harness let it go 30 s later (by default it would have
 been two hours). In a try that admitted nodes, the donor and the new nodes are timed among themselves (in
 blocking recovery they report on the all-reduce only once the transfer is over, which may take longer than an
-outer step).
+outer step). A restarted coordinator learns that view, and whether it was applied, from the first member that
+reports (`new` and `applied` in its belief); until 2026-12-05 it timed the donor and the joiners like any member.
 """
 
 from __future__ import annotations
