@@ -226,7 +226,7 @@ class Coordinator:
         # The view's donor and joiners are timed by their transfer, in its commit (blocking recovery) and at the
         # barrier after it (non-blocking): without them a restart in the middle of a transfer (INTELLECT-1's took
         # 30-60 minutes) evicted both once the first member had waited an outer step's compute.
-        self._clock.view_formed(self.members, [n for n in message.get("new", []) if n in self.members])
+        self._clock.view_formed(self.members, [n for n in message.get("new") or [] if n in self.members])
         if message.get("applied"):
             self._clock.applied(now)
 
