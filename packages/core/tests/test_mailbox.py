@@ -82,3 +82,15 @@ def test_a_chunk_delivered_after_its_receive_failed_leaves_the_accumulator_alone
     region.copy_(torch.ones(128).view(torch.uint8))
     mailbox.delivered(PEER, header, token, framed=544)  # the chunk it was reading ends after the failure
     assert torch.equal(acc, torch.zeros(256))
+
+
+def test_a_receive_posted_after_the_mailbox_failed_all_fails_at_once():
+    """A close from another thread (a doomed try's abort) may land between irecv's check that the transport is open
+    and its post: the receive must fail then, not wait out its deadline (2(n-1) x op_s in a ring)."""
+    mailbox = Mailbox(max_unexpected_bytes=1 << 20)
+    mailbox.fail_all("transport is closed")
+    start = time.monotonic()
+    recv = mailbox.post(PEER, TAG, [torch.empty(4)], start + 30)
+    with pytest.raises(PeerFailure, match="transport is closed"):
+        recv.wait()
+    assert time.monotonic() - start < 1.0

@@ -115,6 +115,7 @@ class Mailbox:
         self._unexpected_bytes = 0
         self._finished: set[tuple[int, int, int]] = set()  # abandoned receives whose chunks are dropped
         self._lost: dict[int, str] = {}  # peer -> why its connections are gone
+        self._failed_all: str | None = None  # why every receive fails from now on (the transport closed)
 
     # -------------------------------------------------------------- the user's side
 
@@ -135,6 +136,8 @@ class Mailbox:
                 self._unexpected.pop(key, None)
             if not recv.done and peer in self._lost:  # what already arrived is kept; nothing more will
                 self._fail(recv, PeerFailure(peer, self._lost[peer]))
+            elif not recv.done and self._failed_all is not None:  # posted after a close from another thread
+                self._fail(recv, PeerFailure(peer, self._failed_all))
             return recv
 
     def abandon(self, recv: PendingRecv) -> None:
@@ -218,7 +221,9 @@ class Mailbox:
             self._finished = {k for k in self._finished if k[0] != peer}
 
     def fail_all(self, reason: str) -> None:
+        """The transport closed (or can no longer receive): fail what waits, and every receive posted later."""
         with self.cond:
+            self._failed_all = reason
             for peer in {k[0] for k in self._posted}:
                 self._fail_peer(peer, PeerFailure(peer, reason), drop_unexpected=True)
 
