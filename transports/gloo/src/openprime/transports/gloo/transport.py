@@ -125,7 +125,7 @@ class GlooTransport(Transport):
         if len(encoded) > HEADER_BYTES:
             raise ValueError(f"too many buffers in one message for the Gloo header ({len(sizes)})")
         header[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
-        works = self._start(self._pg.send, peer, tag, [header, *(v for v in views if v.numel())])
+        works = self._start("send", peer, tag, [header, *(v for v in views if v.numel())])
         return _GlooHandle(self, peer, works, deadline, self.frame_bytes(tag, sizes), sending=True)
 
     def irecv(self, peer: int, tag: int, buffers: Sequence[torch.Tensor], *, deadline: float) -> Handle:
@@ -133,19 +133,23 @@ class GlooTransport(Transport):
         views = [as_bytes(b) for b in buffers]
         sizes = [v.numel() for v in views]
         header = torch.empty(HEADER_BYTES, dtype=torch.uint8)
-        works = self._start(self._pg.recv, peer, tag, [header, *(v for v in views if v.numel())])
+        works = self._start("recv", peer, tag, [header, *(v for v in views if v.numel())])
         return _GlooHandle(self, peer, works, deadline, self.frame_bytes(tag, sizes), sending=False,
                            header=header, sizes=sizes, tag=tag)
 
-    def _start(self, op, peer: int, tag: int, buffers: list[torch.Tensor]) -> list:
+    def _start(self, op: str, peer: int, tag: int, buffers: list[torch.Tensor]) -> list:
         """Post Gloo's send or recv (`op`) of each buffer. Gloo raises at once on a pair it already saw closed (a
-        peer that left or died before this call): that is a PeerFailure like any other, not a crash."""
-        try:
-            works = [op([b], peer, tag) for b in buffers]
-        except RuntimeError as e:
-            self._fail(peer, f"gloo: {_first_line(e)}")
-            raise  # unreachable: _fail raises
+        peer that left or died before this call): that is a PeerFailure like any other, not a crash. Posted under
+        the lock that close() takes: a close from another thread (a doomed try's abort) either fails these works
+        or comes first, and then they are not posted (before, the group could be gone: AttributeError)."""
         with self._lock:
+            if self._closed:
+                raise PeerFailure(peer, "transport is closed")
+            try:
+                works = [getattr(self._pg, op)([b], peer, tag) for b in buffers]
+            except RuntimeError as e:
+                self._fail(peer, f"gloo: {_first_line(e)}")
+                raise  # unreachable: _fail raises
             self._in_flight.update(works)
         return works
 
@@ -154,15 +158,15 @@ class GlooTransport(Transport):
             self._in_flight.discard(work)
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pending = list(self._in_flight)
         # Another thread may be waiting on an operation (closed from a watcher: an aborted try). Neither abort() nor
         # shutdown() of the group wakes it, but a wait on a pending operation that times out makes Gloo fail every
         # pending operation of the group and close its pairs (gloo's UnboundBuffer: "let all pairs in the transport
         # context know about this application side timeout"): the waiter and the peers waiting on us fail now.
-        with self._lock:
-            pending = list(self._in_flight)
         for work in pending:
             try:
                 work.wait(datetime.timedelta(milliseconds=1))
