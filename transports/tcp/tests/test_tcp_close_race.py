@@ -23,11 +23,14 @@ from openprime.transports.tcp import TcpTransport
 CONFIG = StreamTransportConfig(connect_timeout_s=5, num_connections=2)
 
 
-def test_a_send_overtaken_by_a_close_from_another_thread_raises_peer_failure():
+def _pair(group: str) -> list[TcpTransport]:
     store = host_store(timeout_s=10)
-    rendezvous = Rendezvous(host="127.0.0.1", port=store.port, group="close-race")
-    sender, receiver = run_threads([lambda: TcpTransport(rendezvous, 0, 2, CONFIG),
-                                    lambda: TcpTransport(rendezvous, 1, 2, CONFIG)])
+    rendezvous = Rendezvous(host="127.0.0.1", port=store.port, group=group)
+    return run_threads([lambda: TcpTransport(rendezvous, 0, 2, CONFIG), lambda: TcpTransport(rendezvous, 1, 2, CONFIG)])
+
+
+def test_a_send_overtaken_by_a_close_from_another_thread_raises_peer_failure():
+    sender, receiver = _pair("close-race")
     connected = sender._connected
 
     def connected_then_closed(peer, deadline):
@@ -40,6 +43,34 @@ def test_a_send_overtaken_by_a_close_from_another_thread_raises_peer_failure():
         sender._connected = connected_then_closed
         with pytest.raises(PeerFailure, match="transport is closed"):
             sender.isend(1, TAG_ALL_REDUCE, [torch.ones(4)], deadline=time.monotonic() + 5).wait()
+    finally:
+        sender.close()
+        receiver.close()
+
+
+class _ClosingOnLookup(dict):
+    """The transport's links, closing the transport when the first send looks its link up: the close lands after
+    the send's check that the transport is open and before it takes the link's lock."""
+
+    def __init__(self, links, transport):
+        super().__init__(links)
+        self.transport = transport
+
+    def __getitem__(self, peer):
+        self.transport.close()
+        return super().__getitem__(peer)
+
+
+def test_a_close_between_the_open_check_and_the_links_lock_does_not_reconnect():
+    # The link was dropped by the close (broken): the send used to reconnect it, leaving a closed transport with
+    # live sockets and writer threads, and a send that went through after the abort.
+    sender, receiver = _pair("close-race-reconnect")
+    try:
+        sender._out = _ClosingOnLookup(sender._out, sender)
+        with pytest.raises(PeerFailure, match="transport is closed"):
+            sender.isend(1, TAG_ALL_REDUCE, [torch.ones(4)], deadline=time.monotonic() + 5).wait()
+        link = dict.__getitem__(sender._out, 1)
+        assert link.broken and not link.writers and not link.sockets
     finally:
         sender.close()
         receiver.close()

@@ -159,6 +159,8 @@ class TcpTransport(MailboxReceives, Transport):
             raise PeerFailure(peer, "transport is closed")
         link = self._out[peer]
         with link.lock:
+            if self._closed.is_set():  # closed by another thread since the check above: do not reconnect
+                raise PeerFailure(peer, "transport is closed")
             if link.broken:
                 self._connect(peer, link, deadline)
         return link
