@@ -643,13 +643,6 @@ def test_a_joiner_that_hangs_after_the_donor_came_is_evicted_on_the_usual_deadli
         _close([*clients, late])
 
 
-def _restart(coordinator):
-    """Stop `coordinator` and start another at its address: what it knew is lost, the nodes report theirs."""
-    coordinator.stop()
-    time.sleep(0.05)
-    return Coordinator(coordinator.config, bind=coordinator.address).start()
-
-
 def test_a_coordinator_restarted_after_a_view_that_admitted_a_node_still_times_donor_and_joiner_by_the_transfer():
     # A restarted coordinator did not know which view came before: at the barrier after one that admitted a node, it
     # timed a joiner and a donor still busy with the transfer (non-blocking recovery) like any member, and evicted
@@ -730,6 +723,13 @@ def test_a_restarted_coordinator_takes_the_straggler_deadline_from_what_the_node
             reborn.stop()
 
 
+def _restart(coordinator):
+    """Stop `coordinator` and start another at its address: what it knew is lost, the nodes report theirs."""
+    coordinator.stop()
+    time.sleep(0.05)
+    return Coordinator(coordinator.config, bind=coordinator.address).start()
+
+
 @contextlib.contextmanager
 def _restarted_every_half_deadline(coordinator):
     """Restart `coordinator` at its address every half straggler deadline, 10 times at most, from a thread; yields
@@ -739,9 +739,7 @@ def _restarted_every_half_deadline(coordinator):
     def restart():
         current = coordinator
         while not done.wait(coordinator.straggler_deadline_s() / 2) and len(restarts) < 10:
-            current.stop()
-            time.sleep(0.05)
-            current = Coordinator(coordinator.config, bind=coordinator.address).start()
+            current = _restart(current)
             restarts.append(current)
 
     restarter = threading.Thread(target=restart, daemon=True)

@@ -134,10 +134,10 @@ class Mailbox:
                 self._fill_from(recv, early)
             if not self._unexpected.get(key):
                 self._unexpected.pop(key, None)
-            if not recv.done and peer in self._lost:  # what already arrived is kept; nothing more will
-                self._fail(recv, PeerFailure(peer, self._lost[peer]))
-            elif not recv.done and self._failed_all is not None:  # posted after a close from another thread
-                self._fail(recv, PeerFailure(peer, self._failed_all))
+            # What already arrived is kept; nothing more will from a lost peer, nor after a close (from another thread).
+            reason = self._lost.get(peer, self._failed_all)
+            if not recv.done and reason is not None:
+                self._fail(recv, PeerFailure(peer, reason))
             return recv
 
     def abandon(self, recv: PendingRecv) -> None:

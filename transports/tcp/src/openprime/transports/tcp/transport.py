@@ -134,8 +134,8 @@ class TcpTransport(MailboxReceives, Transport):
         link = self._connected(peer, deadline)
         views = [as_bytes(b) for b in buffers]
         with link.lock:
-            if not link.writers:  # closed by another thread (a doomed try's abort) since _connected returned
-                raise PeerFailure(peer, "transport is closed" if self._closed.is_set() else "connection lost")
+            if not link.writers:  # only close() empties them outside this lock: a doomed try's abort, since _connected
+                raise PeerFailure(peer, "transport is closed")
             seq = link.next_seq[tag]
             link.next_seq[tag] = seq + 1
             handle, link.turn = deal_message(link.writers, link.turn, views, peer=peer, tag=tag, seq=seq,
