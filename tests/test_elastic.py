@@ -262,3 +262,26 @@ def test_coordinator_killed_and_restarted(tmp_path):
     finally:
         coordinator.kill()
         coordinator.wait(timeout=10)
+
+
+def test_a_run_lost_with_its_coordinator_is_not_started_again_in_its_directory(tmp_path, capfd):
+    """Every node of a run is gone, and so is the coordinator that knew it. A node started without a checkpoint in
+    the run's directory, under a new coordinator (epoch 0: it knows no run), used to start the run again from its
+    initial weights: a second lineage under the same outer-step numbers (chaos.py, seed 21: 20 hash disagreements).
+    Now the directory's records make it a newcomer that waits for the run's state, and with no node to give it, it
+    is refused (exit 2) with the way to continue, having trained nothing."""
+    first = _start(tmp_path, 2)
+    wait_for(first.run_dir, outer_done(0, 2))
+    first.stop()  # the nodes and the coordinator
+    again = Launcher(first.cfg, first.run_dir, num_nodes=1, first_node=2)
+    try:
+        again.start_node()
+        codes = again.wait(60)
+    finally:
+        again.stop()
+    assert codes == {2: 2}
+    assert not [r for r in run_records(first.run_dir) if r["node"] == 2]  # no step, outer step or start record
+    out, err = capfd.readouterr()
+    assert "holds a run's outer steps: this node takes that run's state from a live node" in out + err
+    assert ("[node 2] error: coordinator refused node" in err and "no node holding the run's state is left (this "
+            "coordinator (re)started" in err and "a new run needs another --run-dir" in err), err

@@ -14,6 +14,7 @@ from openprime.train.metrics import (
     MetricsTail,
     MetricsWriter,
     WallClock,
+    holds_outer_steps,
     model_flops_utilisation,
     progress_line,
     read_records,
@@ -119,6 +120,20 @@ def test_readers_skip_a_line_cut_short(tmp_path, caplog):
         tail = MetricsTail(tmp_path)
         assert [r["step"] for r in tail.poll()] == [1, 2]
     assert "skipping a line that is not a whole record" in caplog.text
+
+
+def test_a_run_directory_holds_outer_steps_once_an_outer_record_is_written(tmp_path):
+    # What makes a node without a checkpoint wait for a run's state instead of starting the run again.
+    assert not holds_outer_steps(tmp_path)  # no metrics file
+    writer = MetricsWriter(tmp_path, node=0)
+    writer.write("start", step=0)
+    writer.write("step", step=1, loss=5.0)
+    writer.write("local_outer", local_rank=1, outer_step=1)  # "outer" inside other names is not an outer step
+    with (tmp_path / METRICS_FILE).open("a") as f:
+        f.write('{"kind": "outer", "no\n')  # a record cut short by a full disk
+    assert not holds_outer_steps(tmp_path)
+    writer.write("outer", step=5, outer_step=1)
+    assert holds_outer_steps(tmp_path)
 
 
 def test_a_node_prints_live_recovery_info_as_its_lines_and_keeps_warnings_on_stderr(capsys):

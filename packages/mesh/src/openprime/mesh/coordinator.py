@@ -458,10 +458,11 @@ class Coordinator:
         its recovery window first: the run's members may not have reported back yet."""
         if any(n not in self._waiting for n in self.nodes) or self._just_started():
             return
-        reason = (f"no node holding the run's state is left (the run reached outer step {self.step + 1}; its nodes are "
-                  f"gone) and the {len(waiting)} node(s) waiting joined it without that state: continue the run by "
-                  f"starting its machines again with `--resume latest` (each from its own checkpoints), or restart "
-                  f"the coordinator (`openprime mesh serve`) to start a new run")
+        seen = (f"the run reached outer step {self.step + 1}; its nodes are gone" if self.epoch else
+                "this coordinator (re)started after the run's nodes were gone, and has seen none of its outer steps")
+        reason = (f"no node holding the run's state is left ({seen}) and the {len(waiting)} node(s) waiting joined it "
+                  f"without that state: continue the run by starting its machines again with `--resume latest` (each "
+                  f"from its own checkpoints), or restart the coordinator (`openprime mesh serve`) to start a new run")
         log.error("outer step %d: %s (refused: %s)", self.step, reason, waiting)
         self._refuse_at_barrier(waiting, reason)
         self._clock.barrier_reset()

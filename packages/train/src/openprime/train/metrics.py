@@ -213,6 +213,17 @@ def read_records(run_dir: pathlib.Path) -> list[dict[str, Any]]:
     return _parse(path.read_text().splitlines(), path)
 
 
+def holds_outer_steps(run_dir: pathlib.Path) -> bool:
+    """Whether the run's metrics file has an "outer" record: this machine's nodes of the run took part in an outer
+    step. Reads only up to the first one, which follows the first H step records: a weeks-long run's file is not
+    read whole."""
+    path = run_dir / METRICS_FILE
+    if not path.exists():
+        return False
+    with path.open("rb") as f:
+        return any(r.get("kind") == "outer" for line in f if b'"outer"' in line for r in _parse([line], path))
+
+
 def summarize(run_dir: pathlib.Path) -> RunSummary:
     return summarize_records(read_records(run_dir))
 

@@ -38,7 +38,7 @@ from openprime.fsdp import (
     materialize,
     parallelize,
 )
-from openprime.mesh import ElasticDeviceMesh, Evicted, MeshClient
+from openprime.mesh import ElasticDeviceMesh, Evicted, JoinRefused, MeshClient
 from openprime.train.checkpointing import (
     InnerOptimizerState,
     load_node_part,
@@ -59,6 +59,7 @@ from openprime.train.loss import cross_entropy_loss, loss_with_max_z
 from openprime.train.metrics import (
     MetricsWriter,
     WallClock,
+    holds_outer_steps,
     human_bytes,
     model_flops_utilisation,
     progress_line,
@@ -223,6 +224,17 @@ class Node:
         self.ckpt: Checkpointer | None = None
         # The run is under way: get its state at the next outer step (a resumed run restarts all its nodes).
         self.joining = self.mesh.joined_epoch > 0 and resume is None
+        # A coordinator that restarted after every node of the run was gone knows no run (epoch 0), and a node
+        # without a checkpoint would start it again from the initial weights: a second lineage under the same
+        # outer-step numbers, in the same run directory. This machine's records know better: such a node waits
+        # for the run's state as a newcomer, and is refused if no node holds it (the ranks agree on what they read).
+        self.run_on_disk = (resume is None and not self.joining
+                            and local_sum([float(holds_outer_steps(run_dir))], self.local_mesh)[0] > 0)
+        if self.run_on_disk:
+            self.joining = True
+            self.say(f"[node {node}] the coordinator at {coordinator} knows no run under way (it restarted?), but "
+                     f"{run_dir} holds a run's outer steps: this node takes that run's state from a live node at the "
+                     f"next outer step instead of starting the run again")
         self.diloco: DiLoCo | None = None
         self.dp: GradientAllReduce | None = None
         if cfg.train.strategy is Strategy.DILOCO:
@@ -252,7 +264,13 @@ class Node:
     def start(self, resume: Checkpoint | None) -> None:
         """Catch up with a run under way, or continue from a checkpoint; then open data and checkpoints."""
         if self.joining:
-            result = self.catch_up(rejoin=False)
+            try:
+                result = self.catch_up(rejoin=False)
+            except JoinRefused as e:
+                if not self.run_on_disk:
+                    raise
+                raise JoinRefused(f"{e} (this node joined without a checkpoint because {self.run_dir} holds that "
+                                  f"run's outer steps: a new run needs another --run-dir)") from e
             self.report_outer(self.diloco.num_inner_steps_done, result)
         else:
             self._open_slot()
