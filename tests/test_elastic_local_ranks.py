@@ -161,7 +161,7 @@ def test_kill_one_local_rank_during_inner_steps_takes_the_node_down(start, local
     assert members[:2] == [3, 3] and members[-1] == 2, members
 
 
-def test_graceful_exit_is_removed_at_once(start):
+def test_graceful_exit_is_removed_at_once(start, capfd):
     # SIGTERM to local rank 0 (the process that speaks for the node): the node leaves as a whole, local rank 0
     # sends its deathrattle, and the others go on without it at once. (SIGTERM to both processes, as a scheduler
     # preempting the node sends, is the watchdog test below.)
@@ -180,7 +180,11 @@ def test_graceful_exit_is_removed_at_once(start):
     assert first_without["time"] - killed_at < 9, first_without["time"] - killed_at
     codes = _finish(launcher, expected_ok={0, 1})
     _taken_down(codes, 2)
-    assert codes[2][0] == 143, codes  # it left gracefully; the watchdog stopped rank 1
+    assert codes[2] == [143, 143], codes  # it left gracefully; the watchdog stopped rank 1
+    # Rank 1's local collective broke when rank 0 left: one line that says so, not a traceback of a crash of its own
+    # (before: "[node 2 local rank 1] failed:" and a RuntimeError from Gloo, "Connection closed by peer").
+    err = capfd.readouterr().err
+    assert "[node 2 local rank 1] failed" not in err, err
 
 
 def _leave_gracefully_after(delay_s: float, ready) -> None:

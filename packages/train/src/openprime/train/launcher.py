@@ -108,6 +108,13 @@ def _leave(signum: int = signal.SIGTERM, *_: object) -> None:
 # running the same command again would fail the same way (1: any other error).
 REFUSED_EXIT = 2
 
+# How often the launcher's watchdog looks for a node process that ended (Launcher._watch), and how long a process of
+# a node with several local ranks that failed waits for the watchdog's SIGTERM before it reports its own error: a
+# rank whose local collective broke because another rank of its node left (SIGTERM or kill of that one process)
+# then says so in one line instead of a traceback that reads like a crash of its own.
+WATCHDOG_POLL_S = 0.2
+NODE_STOP_GRACE_S = 5 * WATCHDOG_POLL_S
+
 # `kill -USR1 PID` makes a node process print every thread's Python stack to its stderr (and go on): how to see
 # where a node that is alive but stuck waits. Launcher.wait does it to every node still running at its timeout.
 STACKS_SIGNAL = signal.SIGUSR1
@@ -285,8 +292,23 @@ def node_main(cfg: RunConfig, node: int, coordinator: str, run_dir: pathlib.Path
         if isinstance(e, Diverged):  # the message says where it began and how to continue: no traceback
             print(f"[{where}] error: {e}", file=sys.stderr, flush=True)
         elif not isinstance(e, SystemExit):
+            if cfg.fsdp.sharded and (signum := _stop_signal_within(NODE_STOP_GRACE_S)) is not None:
+                print(f"[{where}] stopped with its node: another of its processes ended first (here, then: "
+                      f"{type(e).__name__}: {str(e)[:160]})", file=sys.stderr, flush=True)
+                sys.exit(128 + signum)
             print(f"[{where}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         sys.exit(e.code if isinstance(e, SystemExit) else 1)
+
+
+def _stop_signal_within(timeout_s: float) -> int | None:
+    """The stop signal (SIGTERM, SIGHUP) this process gets within `timeout_s`, or None."""
+    got: list[int] = []
+    for stop in STOP_SIGNALS:
+        signal.signal(stop, lambda signum, _frame: got.append(signum))
+    deadline = time.monotonic() + timeout_s
+    while not got and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return got[0] if got else None
 
 
 class Launcher:
@@ -349,7 +371,7 @@ class Launcher:
         there `timeouts.connect_s` later (a process blocked inside a collective cannot run its handler)."""
         grace_s = self.cfg.timeouts.connect_s
         stopping: dict[int, float] = {}  # node -> when its other processes got SIGTERM
-        while not self._watching.wait(0.2):
+        while not self._watching.wait(WATCHDOG_POLL_S):
             for node, procs in list(self.local_procs.items()):
                 if len(procs) == 1 or not any(p.exitcode not in (None, 0) for p in procs):
                     continue
