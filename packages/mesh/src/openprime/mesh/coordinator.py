@@ -386,12 +386,16 @@ class Coordinator:
             return  # the members waiting resend within a request timeout, saying how long they have waited
         arrived = {m: self._waiting[m][2] for m in self.members if m in self.nodes and m in self._waiting}
         live = [m for m in self.members if m in self.nodes]
+        retry = any(message.get("attempt", 0) > 0 for message in arrived.values())
         for m, deadline_s in self._clock.late_at_barrier(now, live, arrived):
-            self._remove(m, f"alive but not at the outer-step barrier {deadline_s:.0f}s after the first member (a "
-                            f"straggler: a process of it hung, or it computes far slower; recent outer steps' compute "
-                            f"{self._clock.known_compute()}, mesh.straggler_factor={self.config.straggler_factor:g}, "
-                            f"mesh.min_straggler_s={self.config.min_straggler_s:g}; raise the factor for machines of "
-                            f"different speeds). It rejoins as a new node")
+            why = (f"the barrier of a retry, which has no inner steps to compute: a process of it hung; "
+                   f"mesh.min_straggler_s={self.config.min_straggler_s:g}" if retry else
+                   f"a straggler: a process of it hung, or it computes far slower; recent outer steps' compute "
+                   f"{self._clock.known_compute()}, mesh.straggler_factor={self.config.straggler_factor:g}, "
+                   f"mesh.min_straggler_s={self.config.min_straggler_s:g}; raise the factor for machines of "
+                   f"different speeds")
+            self._remove(m, f"alive but not at the outer-step barrier {deadline_s:.0f}s after the first member "
+                            f"({why}). It rejoins as a new node")
 
     def _try_barrier(self) -> None:
         self._evict_stragglers(time.monotonic())

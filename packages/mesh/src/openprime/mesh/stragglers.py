@@ -29,6 +29,13 @@ been two hours). In a try that admitted nodes, the donor and the new nodes are t
 blocking recovery they report on the all-reduce only once the transfer is over, which may take longer than an
 outer step). A restarted coordinator learns that view, and whether it was applied, from the first member that
 reports (`new` and `applied` in its belief); until 2026-12-05 it timed the donor and the joiners like any member.
+
+Where nothing is computed, a deadline of the compute time would only wait longer for a process that is stuck:
+the barrier of a retry (its members come straight back from an all-reduce that failed) and the last member not to
+report on an all-reduce once every other member has (a collective ends for all within about one ring step) wait
+`min_straggler_s`. Until 2026-12-05 both waited an outer step's compute (38 minutes in INTELLECT-1): chaos.py
+(seeds 22 and 24) hung a node's local rank 1 just as the node entered a view; the others' groups failed without it
+after `timeouts.connect_s`, and with the defaults they would then have waited that long again for it.
 """
 
 from __future__ import annotations
@@ -60,13 +67,16 @@ class StragglerClock:
         self._donor_freed: float | None = None
         self._joiners_freed: float | None = None
 
-    def deadline_s(self, member: str | None = None) -> float:
+    def deadline_s(self, member: str | None = None, *, computed: bool = True) -> float:
         """How long after the first member the barrier waits for `member`: the sync-timeout bound for the donor of
         the view that admitted nodes just before while it may still be sending them the state, else
-        MeshConfig.straggler_deadline_s of the compute time."""
-        sending = self._donor is not None and member == self._donor and self._donor_freed is None
-        known = max(self._compute_s) if self._compute_s and not sending else None
-        return self.config.straggler_deadline_s(known)
+        MeshConfig.straggler_deadline_s of the compute time, or, where nothing was `computed` since the others came
+        (the barrier of a retry; the end of an all-reduce), of none: `min_straggler_s`."""
+        if self._donor is not None and member == self._donor and self._donor_freed is None:
+            return self.config.straggler_deadline_s(None)  # sending
+        if not computed:
+            return self.config.straggler_deadline_s(0.0)
+        return self.config.straggler_deadline_s(max(self._compute_s) if self._compute_s else None)
 
     def known_compute(self) -> str:
         return f"{max(self._compute_s):.0f}s" if self._compute_s else "not known yet"
@@ -120,6 +130,9 @@ class StragglerClock:
             self._applied_at = None
         elif trained:  # one that came earlier, heard only now (it resent to a restarted coordinator)
             self._trained_arrived = min(self._trained_arrived, first(trained))
+        # A retry of an outer step whose try failed: its members come straight back from the all-reduce, with no
+        # inner steps to compute, so one that does not come is not slower, it is stuck.
+        retry = any(message.get("attempt", 0) > 0 for message in arrived.values())
         late = []
         for m in members:
             if m in arrived:
@@ -128,7 +141,7 @@ class StragglerClock:
             missed = now - self._opened > deadline_s
             since = self._clock_start(m, now, members, arrived)
             if not missed and since is not None:
-                deadline_s = self.deadline_s(m)
+                deadline_s = self.deadline_s(m, computed=not retry)
                 missed = now - since > deadline_s
             if missed:
                 late.append((m, deadline_s))
@@ -162,17 +175,25 @@ class StragglerClock:
         """The live `members` that have not reported on the all-reduce (`reported_at`: member -> when) and are late,
         with the seconds since the first report: `deadline_s()` after it, the donor and new nodes of a try that
         admitted nodes after another of them reported (or once all of those others are gone), and anyone at the
-        latest the bound after it."""
+        latest the bound after it. The last member not to report (any member: once all the others have, the state
+        transfers are over too) is late `deadline_s` of no compute (`min_straggler_s`) after the others' last report:
+        an all-reduce is a collective of all of them, with nothing to compute, so it ends for every member within
+        about one ring step of the others. (Before 2026-12-05 it waited an outer step's compute, 38 minutes in
+        INTELLECT-1, for a process hung after the barrier.)"""
         if not reported_at:
             return []
         party = set(self._view_new) | ({self._view_donor} if self._view_donor else set())
-        first, deadline_s = min(reported_at.values()), self.deadline_s()
+        first = min(reported_at.values())
         late = []
         for m in members:
             if m not in alive or m in reported_at:
                 continue
+            rest = [o for o in members if o != m and o in alive]
             since: float | None = first
-            if m in party:
+            deadline_s = self.deadline_s()
+            if rest and all(o in reported_at for o in rest):  # the last one: its all-reduce and transfers are over
+                since, deadline_s = max(reported_at[o] for o in rest), self.deadline_s(computed=False)
+            elif m in party:
                 others = party - {m}
                 reported = [reported_at[o] for o in others if o in reported_at]
                 since = min(reported) if reported else None if any(o in alive for o in others) else first
