@@ -236,6 +236,33 @@ def test_nodes_joining_a_run_no_live_node_holds_are_refused_at_the_barrier(coord
     _close(late)
 
 
+def test_a_node_whose_state_is_further_on_than_the_run_is_refused_not_rolled_back(coordinator):
+    # A node resumed from a checkpoint of outer step 6 joins a run at outer step 2 (a run begun again after the
+    # coordinator restarted, or rolled back). Before, it was admitted as new and took the older state: its own was
+    # replaced without a word. A newcomer without state (step 0) is admitted as before.
+    clients = _clients(coordinator, 2)
+    run_threads([lambda c=c: c.sync(0) for c in clients])
+    run_threads([lambda c=c: c.commit(0, 0, True) for c in clients])
+    ahead, newcomer = (MeshClient(coordinator.address, FAST, node_id=n) for n in ("ahead", "newcomer"))
+    for c in (ahead, newcomer):
+        c.join()
+
+    def member_sync(c):
+        while not {"ahead", "newcomer"} <= set(coordinator._waiting):
+            time.sleep(0.01)
+        return c.sync(1)
+
+    def ahead_sync():
+        with pytest.raises(JoinRefused, match=r"holds the run's state at outer step 6, but the run at this "
+                                              r"coordinator is at outer step 2: .*--resume latest"):
+            ahead.sync(5, state_hash="h4", hash_step=4)
+
+    views = run_threads([lambda c=c: member_sync(c) for c in clients] + [lambda: newcomer.sync(0), ahead_sync])
+    assert views[0] == views[1] == views[2] and views[0].members == ("node-0", "node-1", "newcomer")
+    assert views[0].new == ("newcomer",) and "ahead" not in coordinator.nodes
+    _close([*clients, ahead, newcomer])
+
+
 def test_a_member_left_without_state_and_without_a_donor_is_refused(coordinator):
     # A member whose state transfer broke when its donor, the last holder, died: no node can send it the state.
     clients = _clients(coordinator, 2)

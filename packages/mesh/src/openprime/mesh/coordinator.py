@@ -412,6 +412,9 @@ class Coordinator:
         attempt = max(a["attempt"] for a in arrivals if a["step"] == step)
         if attempt >= self.config.num_all_reduce_tries and self._refuse_unproven(live_members, step):
             live_members = [m for m in live_members if m in self.nodes]
+        if live_members:
+            self._refuse_ahead(joiners, step)
+            joiners = [j for j in joiners if j in self._waiting]
         # Members that report no state (a transfer that broke, or a node admitted earlier without it) get it
         # from a donor at this barrier, as joiners do.
         stateless = [m for m in live_members if self._waiting[m][2].get("stateless") is True]
@@ -470,6 +473,25 @@ class Coordinator:
         log.error("outer step %d: %s (refused: %s)", self.step, reason, waiting)
         self._refuse_at_barrier(waiting, reason)
         self._clock.barrier_reset()
+
+    def _refuse_ahead(self, joiners: list[str], step: int) -> None:
+        """Refuse the joiners that hold a state further on than the live run's: joining would replace it with an
+        older one (they take the state of the run they join). The live run is then another one, begun after theirs
+        lost its nodes (a restarted coordinator, nodes started without a checkpoint), or one rolled back from an
+        older checkpoint; either way a person decides, not the barrier."""
+        for j in joiners:
+            message = self._waiting[j][2]
+            if message["step"] <= step or message.get("stateless") is True:
+                continue
+            reason = (f"this node holds the run's state at outer step {message['step'] + 1}, but the run at this "
+                      f"coordinator is at outer step {step + 1}: joining would replace the newer state with that "
+                      f"older one. The run here is another one (begun after the nodes of this node's run were gone: a "
+                      f"restarted coordinator, nodes started without a checkpoint) or one rolled back. Stop it and "
+                      f"start every machine again with `--resume latest` (`openprime mesh serve --min-nodes M` for M "
+                      f"machines, so that the first outer step waits for them), or resume this node from the "
+                      f"checkpoint the others resumed")
+            log.error("outer step %d: refusing %s: %s", step, j, reason)
+            self._refuse_at_barrier([j], reason)
 
     def _refuse_at_barrier(self, nodes: list[str], reason: str) -> None:
         """Answer these nodes' waiting syncs with a refusal (JoinRefused there) and forget them."""
