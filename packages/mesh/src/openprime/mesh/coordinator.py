@@ -41,7 +41,7 @@ from openprime.mesh.abort import abort_key, try_group
 from openprime.mesh.config import MeshConfig
 from openprime.mesh.protocol import BadMessage, check_request, pack, unpack
 from openprime.mesh.ring_order import best_ring, ring_bottleneck
-from openprime.mesh.stragglers import StragglerClock
+from openprime.mesh.stragglers import StragglerClock, is_retry
 
 log = logging.getLogger("openprime.mesh.coordinator")
 
@@ -386,10 +386,9 @@ class Coordinator:
             return  # the members waiting resend within a request timeout, saying how long they have waited
         arrived = {m: self._waiting[m][2] for m in self.members if m in self.nodes and m in self._waiting}
         live = [m for m in self.members if m in self.nodes]
-        retry = any(message.get("attempt", 0) > 0 for message in arrived.values())
         for m, deadline_s in self._clock.late_at_barrier(now, live, arrived):
             why = (f"the barrier of a retry, which has no inner steps to compute: a process of it hung; "
-                   f"mesh.min_straggler_s={self.config.min_straggler_s:g}" if retry else
+                   f"mesh.min_straggler_s={self.config.min_straggler_s:g}" if is_retry(arrived) else
                    f"a straggler: a process of it hung, or it computes far slower; recent outer steps' compute "
                    f"{self._clock.known_compute()}, mesh.straggler_factor={self.config.straggler_factor:g}, "
                    f"mesh.min_straggler_s={self.config.min_straggler_s:g}; raise the factor for machines of "

@@ -48,6 +48,13 @@ from openprime.mesh.config import MeshConfig
 NUM_COMPUTE_SAMPLES = 3  # outer steps whose longest compute time sets the deadline (one fast one does not)
 
 
+def is_retry(arrived: Mapping[str, Mapping]) -> bool:
+    """The barrier now forming (member -> its sync message) is a retry of an outer step whose try failed: its
+    members come straight back from the all-reduce, with no inner steps to compute, so one that does not come is
+    not slower, it is stuck."""
+    return any(message.get("attempt", 0) > 0 for message in arrived.values())
+
+
 class StragglerClock:
     """The coordinator's timings of outer steps and of the barrier now forming."""
 
@@ -130,9 +137,7 @@ class StragglerClock:
             self._applied_at = None
         elif trained:  # one that came earlier, heard only now (it resent to a restarted coordinator)
             self._trained_arrived = min(self._trained_arrived, first(trained))
-        # A retry of an outer step whose try failed: its members come straight back from the all-reduce, with no
-        # inner steps to compute, so one that does not come is not slower, it is stuck.
-        retry = any(message.get("attempt", 0) > 0 for message in arrived.values())
+        retry = is_retry(arrived)
         late = []
         for m in members:
             if m in arrived:
