@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import pathlib
 import signal
 import socket
@@ -36,6 +35,7 @@ from openprime.core.errors import ConfigError, OpenPrimeError
 from openprime.mesh import Coordinator, MeshConfig
 from openprime.train.config import RunConfig, TransportKind
 from openprime.train.hardware import check_hardware
+from openprime.train.metrics import records_of_kind
 from openprime.train.model import Llama, count_parameters
 from openprime.train.recipe import loaded_recipe_files, recipe_config
 from openprime.train.run_lock import RunDirInUse, RunDirLock, new_run_dir
@@ -396,7 +396,7 @@ def _check_shared_run_dir(cfg: RunConfig, run_dir: pathlib.Path, coordinator: st
     launch on this machine holds the directory (openprime.train.run_lock)."""
     from openprime.mesh import MeshClient
 
-    starts = _starts(run_dir / "metrics.jsonl")
+    starts = list(records_of_kind(run_dir, "start"))
     node_ids = {r.get("node_id", "") for r in starts} - {""}
     if not node_ids:
         if in_use:  # its nodes have not written a record yet: which run they are in, and their numbers, are unknown
@@ -415,15 +415,6 @@ def _check_shared_run_dir(cfg: RunConfig, run_dir: pathlib.Path, coordinator: st
         raise ConfigError(f"{run_dir} holds a run whose nodes are not in the run at {coordinator}: continue that run "
                           f"with --resume latest, or give this launch another --run-dir")
     return 1 + max(int(r.get("node", 0)) for r in starts)
-
-
-def _starts(metrics: pathlib.Path) -> list[dict]:
-    """The "start" records of a metrics file (none if there is no file)."""
-    if not metrics.exists():
-        return []
-    with metrics.open() as f:
-        records = [json.loads(line) for line in f if '"kind": "start"' in line]
-    return [r for r in records if r.get("kind") == "start"]
 
 
 def _resume_from(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path) -> Checkpoint:

@@ -18,6 +18,7 @@ import pathlib
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from typing import Any
 
 import attrs
@@ -213,15 +214,23 @@ def read_records(run_dir: pathlib.Path) -> list[dict[str, Any]]:
     return _parse(path.read_text().splitlines(), path)
 
 
-def holds_outer_steps(run_dir: pathlib.Path) -> bool:
-    """Whether the run's metrics file has an "outer" record: this machine's nodes of the run took part in an outer
-    step. Reads only up to the first one, which follows the first H step records: a weeks-long run's file is not
-    read whole."""
+def records_of_kind(run_dir: pathlib.Path, kind: str) -> Iterator[dict[str, Any]]:
+    """The run's records of one `kind`, in the order written, reading the metrics file as they are asked for (none
+    if there is no file). Lines are parsed only if they name the kind, so a weeks-long run's file is cheap to scan."""
     path = run_dir / METRICS_FILE
     if not path.exists():
-        return False
+        return
+    marker = f'"kind": {json.dumps(kind)}'.encode()  # as MetricsWriter writes it
     with path.open("rb") as f:
-        return any(r.get("kind") == "outer" for line in f if b'"outer"' in line for r in _parse([line], path))
+        for line in f:
+            if marker in line:
+                yield from (r for r in _parse([line], path) if r.get("kind") == kind)
+
+
+def holds_outer_steps(run_dir: pathlib.Path) -> bool:
+    """Whether this machine's nodes of the run took part in an outer step: reads only up to the first "outer"
+    record, which follows the first H step records."""
+    return next(records_of_kind(run_dir, "outer"), None) is not None
 
 
 def summarize(run_dir: pathlib.Path) -> RunSummary:
