@@ -189,15 +189,16 @@ class StragglerClock:
             return []
         party = set(self._view_new) | ({self._view_donor} if self._view_donor else set())
         first = min(reported_at.values())
+        computed_s, idle_s = self.deadline_s(), self.deadline_s(computed=False)
         late = []
         for m in members:
             if m not in alive or m in reported_at:
                 continue
             rest = [o for o in members if o != m and o in alive]
             since: float | None = first
-            deadline_s = self.deadline_s()
+            deadline_s = computed_s
             if rest and all(o in reported_at for o in rest):  # the last one: its all-reduce and transfers are over
-                since, deadline_s = max(reported_at[o] for o in rest), self.deadline_s(computed=False)
+                since, deadline_s = max(reported_at[o] for o in rest), idle_s
             elif m in party:
                 others = party - {m}
                 reported = [reported_at[o] for o in others if o in reported_at]
