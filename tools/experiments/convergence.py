@@ -67,7 +67,7 @@ import attrs
 from openprime.diloco import DiLoCoConfig, OuterLrSchedule, OuterOptimizer
 from openprime.train.data import prepare_data
 from openprime.train.launcher import Launcher, output_to, write_run_files
-from openprime.train.metrics import MetricsTail, human_bytes
+from openprime.train.metrics import METRICS_FILE, MetricsTail, human_bytes
 from openprime.train.model import count_parameters
 from openprime.train.recipe import loaded_recipe_files, recipe_config
 
@@ -590,7 +590,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs = args.runs or args.out / "runs"
     # A run directory's metrics are appended to: an old run's records would mix with the new one's (as `openprime
     # run` refuses to do without --resume). Refused before anything trains.
-    held = [str(runs / v.name) for v in chosen if (runs / v.name / "metrics.jsonl").exists()]
+    held = [str(runs / v.name) for v in chosen if (runs / v.name / METRICS_FILE).exists()]
     if held:
         parser.error(f"{', '.join(held)} already hold(s) a run; remove them or pass another --runs (or --out)")
     args.out.mkdir(parents=True, exist_ok=True)

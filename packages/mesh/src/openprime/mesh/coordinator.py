@@ -13,6 +13,9 @@ What it decides, on one thread, between messages:
   set changed; after `num_all_reduce_tries` failed tries the view says `skip`, to every node alike;
   a member alive by its heartbeats that stays away longer than recent outer steps took to compute
   (`straggler_deadline_s`: a process of it hung) is evicted, so that the others go on without it;
+- the ring order: the current one, unless a try failed with every member alive (then the ring of the fewest
+  links on such failed rings, links.py: a link broken between two members is left out) or the measured
+  bandwidths give a much faster ring;
 - the commit of each all-reduce: apply only if every member of the view reported success, else every
   survivor retries (so no node ever applies a result another node did not get); a try that can no
   longer be applied (a member removed, or one reporting failure) is marked doomed in the store at once,
@@ -39,6 +42,7 @@ from openprime.core.errors import ConfigError
 from openprime.mesh import terms as terms_rules
 from openprime.mesh.abort import abort_key, try_group
 from openprime.mesh.config import MeshConfig
+from openprime.mesh.links import LinkSuspicion, ring_links
 from openprime.mesh.protocol import BadMessage, check_request, pack, unpack
 from openprime.mesh.ring_order import best_ring, ring_bottleneck
 from openprime.mesh.stragglers import StragglerClock, is_retry
@@ -63,6 +67,7 @@ class Committee:
     attempt: int
     epoch: int
     members: frozenset[str]
+    ring: tuple[str, ...] = ()  # the members in ring order (the links the all-reduce used)
     doomed: bool = False  # the try's abort key is set (openprime.mesh.abort): it cannot be applied
     reports: dict[str, bool] = attrs.Factory(dict)
     waiting: dict[str, tuple[bytes, int]] = attrs.Factory(dict)
@@ -118,6 +123,7 @@ class Coordinator:
         # step fails on every try after their admission, they are what changed (see _refuse_unproven).
         self._unproven: set[str] = set()
         self._unexplained: dict[int, int] = {}  # outer step -> its tries that failed with every member alive
+        self.links = LinkSuspicion()  # links on rings whose tries failed with every member alive (links.py)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._started = time.monotonic()
@@ -299,6 +305,8 @@ class Coordinator:
             self._record_hash(message["node"], message["hash_step"], message["hash"])
         for sender, rate in (message.get("bw") or {}).items():
             self.bandwidth[(sender, message["node"])] = float(rate)
+            if float(rate) > 0:
+                self.links.worked(ring_links([sender, message["node"]]))  # a probe's data crossed it
         message["arrived_at"] = self._sent_at(message)
         self._waiting[message["node"]] = (route, message["req"], message)
         return None  # answered when the barrier completes
@@ -313,7 +321,7 @@ class Coordinator:
         if committee is None or (committee.step, committee.attempt) != key:
             # A coordinator that restarted mid-commit: the members re-form the committee as they report.
             committee = self._committee = Committee(step=key[0], attempt=key[1], epoch=self.epoch,
-                                                    members=frozenset(self.members))
+                                                    members=frozenset(self.members), ring=tuple(self.members))
         committee.reported_at.setdefault(message["node"], self._sent_at(message))
         self._clock.reported(message.get("compute_s"))
         committee.reports[message["node"]] = message["ok"]
@@ -353,6 +361,7 @@ class Coordinator:
         for key in [k for k in self._viewed if k[0] == node]:
             del self._viewed[key]
         self._unproven.discard(node)
+        self.links.forget(node)
         self.evictions.append(node)
         log.warning("node %s removed: %s", node, why)
         if self._committee is not None and node in self._committee.members:
@@ -447,7 +456,8 @@ class Coordinator:
                 "state_hash": agreed,
                 "attempt": attempt, "skip": skip, "slots": [[m, self.nodes[m].slot] for m in members],
                 "store": self.store}
-        self._committee = Committee(step=step, attempt=attempt, epoch=self.epoch, members=frozenset(members))
+        self._committee = Committee(step=step, attempt=attempt, epoch=self.epoch, members=frozenset(members),
+                                    ring=tuple(members))
         for node, (route, req, message) in self._waiting.items():
             self._reply(route, req, view)
             self._viewed[node, message["incarnation"]] = req
@@ -545,9 +555,11 @@ class Coordinator:
         self._decisions[(committee.step, committee.attempt)] = apply
         if apply:
             self._unproven -= committee.members
+            self.links.worked(ring_links(committee.ring))
             self._clock.applied(time.monotonic())
         elif live == committee.members:  # nobody was lost, yet a member's all-reduce failed
             self._unexplained = {committee.step: self._unexplained.get(committee.step, 0) + 1}
+            self.links.failed(committee.ring)  # a link of its ring, perhaps: the next view's ring avoids them
         for route, req in committee.waiting.values():
             self._reply(route, req, {"op": "decision", "apply": apply})
         self._committee = None
@@ -556,11 +568,21 @@ class Coordinator:
                         "a member was lost" if live != committee.members else "a member's all-reduce failed")
 
     def _ring_order(self, live_members: list[str], joiners: list[str]) -> list[str]:
-        """The current order (joiners appended) unless the measured bandwidths give a much faster ring."""
+        """The current order (joiners appended), unless links of it are suspect (a try on them failed with every
+        member alive: the ring of the fewest suspicions, links.py) or the measured bandwidths give a much
+        faster ring (which never brings a suspect link back)."""
         current = live_members + joiners
+        if self.links.score(current):
+            order = self.links.ring(current)
+            if order != current:
+                log.warning("ring re-ordered around links on which tries failed with every member alive (%s): %s",
+                            ", ".join(f"{'-'.join(sorted(link))} x{n}" for link, n in self.links.failures.items()
+                                      if link <= set(current)), order)
+            return order
         if len(current) < 3 or not self.bandwidth:
             return current
-        matrix = np.array([[self.bandwidth.get((a, b), 0.0) for b in current] for a in current])
+        matrix = np.array([[0.0 if self.links.suspect(a, b) else self.bandwidth.get((a, b), 0.0) for b in current]
+                           for a in current])
         order = best_ring(matrix)
         best = [current[i] for i in order]
         gain = ring_bottleneck(matrix, order) / max(ring_bottleneck(matrix, range(len(current))), 1e-9)

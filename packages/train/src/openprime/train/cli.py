@@ -35,7 +35,7 @@ from openprime.core.errors import ConfigError, OpenPrimeError
 from openprime.mesh import Coordinator, MeshConfig
 from openprime.train.config import RunConfig, TransportKind
 from openprime.train.hardware import check_hardware
-from openprime.train.metrics import records_of_kind
+from openprime.train.metrics import METRICS_FILE, records_of_kind
 from openprime.train.model import Llama, count_parameters
 from openprime.train.recipe import loaded_recipe_files, recipe_config
 from openprime.train.run_lock import RunDirInUse, RunDirLock, new_run_dir
@@ -378,7 +378,7 @@ def _check_run_dir(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Pa
 
     if args.join and not args.resume:
         return _check_shared_run_dir(cfg, run_dir, args.join, in_use=in_use)
-    if args.resume not in (None, "latest") or not (run_dir / "metrics.jsonl").exists():
+    if args.resume not in (None, "latest") or not (run_dir / METRICS_FILE).exists():
         return 0
     if not list_steps(checkpoint_root(cfg.checkpoint, run_dir)):
         raise ConfigError(f"{run_dir} holds a run that saved no checkpoint (it ended before its first one, at inner "
