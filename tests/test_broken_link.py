@@ -9,19 +9,19 @@ ring whose neighbours reach each other is whole. (Gloo builds a full mesh, so on
 whatever the order.)
 """
 
-import functools
+import socket
 import time
+from collections.abc import Callable
 
 import attrs
 import pytest
 import torch
 
 from openprime.core.collectives import ring_all_reduce
-from openprime.core.distributed import connect_store
 from openprime.core.errors import PeerFailure
 from openprime.core.streams import StreamTransportConfig
 from openprime.core.testing import run_group
-from openprime.mesh import Coordinator, MeshClient, MeshConfig
+from openprime.mesh import Coordinator, Evicted, MeshClient, MeshConfig
 from openprime.mesh.elastic import ElasticDeviceMesh
 
 pytestmark = pytest.mark.slow
@@ -29,37 +29,72 @@ pytestmark = pytest.mark.slow
 CONFIG = MeshConfig(heartbeat_interval_s=0.2, num_missed_heartbeats=5, sync_timeout_s=60, min_straggler_s=10,
                     probe_bytes=0)
 NUMEL = 10_000
+CONNECT_S = 10.0  # a store connection made right after many others can take 5 s here (c10d, under churn)
 
 
-def firewalled(rendezvous, rank, world_size, *, kind: str, node: str, unreachable: frozenset[str]):
-    """The `kind` transport of `node`, refusing to connect to the other node of `unreachable` (if it is in the group).
-    Each side refuses to connect, so nothing crosses the link either way."""
-    names = connect_store(rendezvous, 10.0, suffix="/firewall")
-    names.set(f"node/{rank}", node)
-    peers = [names.get(f"node/{r}").decode() for r in range(world_size)]  # waits for every member's name
-    blocked = {r for r, peer in enumerate(peers) if frozenset((node, peer)) == unreachable}
+class _DeadAddresses:
+    """A rendezvous store whose addresses of the `blocked` ranks name a port where nothing listens."""
+
+    def __init__(self, store, blocked: set[int], dead_port: int) -> None:
+        self._store, self._blocked, self._dead_port = store, blocked, dead_port
+
+    def get(self, key: str) -> bytes:
+        value = self._store.get(key)
+        if key in {f"addr/{r}" for r in self._blocked}:
+            return f"{value.decode().rsplit(':', 1)[0]}:{self._dead_port}".encode()
+        return value
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+
+def firewalled(rendezvous, rank, world_size, *, kind: str, node: str, cut: frozenset[frozenset[str]],
+               members: Callable[[], tuple[str, ...]]):
+    """The `kind` transport of `node`, for which the other node of each link in `cut` (if it is in the group) is at a
+    port where nothing listens: its connections there are refused, as a firewall refuses them. Both sides see the
+    other so, and nothing crosses the link either way; every other link works. `members()`: the group's nodes by
+    rank (the view the group is built for)."""
+    blocked = {r for r, peer in enumerate(members()) if frozenset((node, peer)) in cut}
+    dead = socket.socket()  # bound, never listening: a connection there is refused
+    dead.bind(("127.0.0.1", 0))
     if kind == "tcp":
         from openprime.transports.tcp import TcpTransport as Base
     else:
         from openprime.transports.zmq import ZmqTransport as Base
 
     class Firewalled(Base):
-        def _connect(self, peer, link, deadline):
-            if peer in blocked:
-                raise PeerFailure(peer, "cannot connect: refused (the test's firewall)")
-            return super()._connect(peer, link, deadline)
+        # The transport reads its peers' addresses through self._store, which its __init__ sets and then uses at
+        # once (its early connections): wrapped as it is set.
+        @property
+        def _store(self):
+            return self.__dict__["_firewalled_store"]
 
-    return Firewalled(rendezvous, rank, world_size, StreamTransportConfig(connect_timeout_s=10.0))
+        @_store.setter
+        def _store(self, store):
+            self.__dict__["_firewalled_store"] = _DeadAddresses(store, blocked, dead.getsockname()[1])
+
+        def close(self):
+            super().close()
+            dead.close()
+
+    return Firewalled(rendezvous, rank, world_size, StreamTransportConfig(connect_timeout_s=CONNECT_S))
 
 
-def _node(_transport, ctx, address: str, kind: str, unreachable: frozenset[str], num_steps: int):
-    """Outer steps of a sum all-reduce; per applied step (step, the try applied, the ring, the sum's first value)."""
+def _node(_transport, ctx, address: str, kind: str, cut: frozenset[frozenset[str]], num_steps: int):
+    """Outer steps of a sum all-reduce; per outer step (step, the try applied or None if skipped, the ring, the sum's
+    first value); ("evicted", step) last if the coordinator evicted this node."""
     node = f"node-{ctx.rank}"
     client = MeshClient(address, CONFIG, node_id=node)
     client.join(slot=ctx.rank)  # the first ring is in slot order: node-0, node-1, ...
+    views = []  # the mesh, once built: its view names the nodes of the group its factory builds
+
+    def factory(rendezvous, rank, world_size):
+        return firewalled(rendezvous, rank, world_size, kind=kind, node=node, cut=cut,
+                          members=lambda: views[0].view.members)
+
     mesh = ElasticDeviceMesh(client, run_id=CONFIG.run_id, abort_poll_s=CONFIG.abort_poll_s, connect_timeout_s=10.0,
-                             transport_factory=functools.partial(firewalled, kind=kind, node=node,
-                                                                 unreachable=unreachable))
+                             transport_factory=factory)
+    views.append(mesh)
     applied = []
     try:
         for step in range(num_steps):
@@ -77,6 +112,8 @@ def _node(_transport, ctx, address: str, kind: str, unreachable: frozenset[str],
                 if mesh.commit(step, attempt, ok):
                     applied.append((step, attempt, list(mesh.view.members), float(values[0])))
                     break
+    except Evicted:
+        applied.append(("evicted", step))
     finally:
         mesh.close()
     return applied
@@ -92,8 +129,8 @@ def test_the_ring_leaves_out_a_link_that_broke_and_every_outer_step_is_applied(k
     unreachable = frozenset(("node-0", "node-1"))  # neighbours in the first ring (slot order)
     coordinator = Coordinator(attrs.evolve(CONFIG, min_nodes=num_nodes)).start()
     try:
-        results = run_group(num_nodes, _node, factory=None, args=(coordinator.address, kind, unreachable, 3),
-                            timeout_s=120)
+        results = run_group(num_nodes, _node, factory=None, timeout_s=120,
+                            args=(coordinator.address, kind, frozenset([unreachable]), 3))
     finally:
         coordinator.stop()
     assert all(r == results[0] for r in results), results  # every node applied the same steps, rings and sums
@@ -108,3 +145,24 @@ def test_the_ring_leaves_out_a_link_that_broke_and_every_outer_step_is_applied(k
     # after it the ring that works stays, and its tries succeed at once.
     assert 1 <= steps[0][1] <= (1 if num_nodes >= 5 else 2)
     assert steps[1][1] == steps[2][1] == 0 and steps[1][2] == steps[2][2] == steps[0][2]
+
+
+def test_a_node_whose_every_link_broke_is_evicted_and_the_others_sync_on():
+    # Every ring holds two of node-2's links, so no order helps; what the members could not connect to (each
+    # transport's `unreachable`) singles it out once the outer step failed on all its tries.
+    num_nodes, cut_off = 4, "node-2"
+    cut = frozenset(frozenset((cut_off, f"node-{r}")) for r in range(num_nodes) if f"node-{r}" != cut_off)
+    coordinator = Coordinator(attrs.evolve(CONFIG, min_nodes=num_nodes)).start()
+    try:
+        results = run_group(num_nodes, _node, factory=None, args=(coordinator.address, "tcp", cut, 3), timeout_s=120)
+    finally:
+        coordinator.stop()
+    assert results[2] == [("evicted", 0)] or results[2][-1][0] == "evicted", results[2]
+    others = [results[r] for r in (0, 1, 3)]
+    assert all(r == others[0] for r in others), others
+    assert coordinator.evictions[:1] == [cut_off]
+    (step0, tried0, ring0, _), *applied = others[0]
+    assert (step0, tried0) == (0, None) and cut_off not in ring0  # outer step 0 skipped once, without it
+    total = 1 + 2 + 4  # ranks 0, 1 and 3, plus one each
+    assert [(s, v) for s, _, _, v in applied] == [(1, total * 2), (2, total * 3)]
+    assert all(cut_off not in ring for _, _, ring, _ in applied)

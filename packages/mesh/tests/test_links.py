@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from openprime.mesh.links import EXACT_MAX_NODES, LinkSuspicion, ring_links
+from openprime.mesh.links import EXACT_MAX_NODES, LinkSuspicion, ring_links, unreachable_node
 
 
 def _nodes(n):
@@ -85,3 +85,22 @@ def test_above_the_exact_size_the_search_still_finds_a_ring_clear_of_a_failed_on
     assert sorted(ring) == sorted(nodes) and ring[0] == nodes[0]
     assert links.score(ring) == 0
     assert links.ring(nodes) == ring  # deterministic
+
+
+def _reports(*pairs):
+    return {frozenset(p) for p in pairs}
+
+
+def test_a_node_nobody_reaches_is_singled_out_from_three_nodes_on():
+    for others in (["a", "b"], ["a", "b", "c", "d"]):
+        tries = [_reports(*[("x", o) for o in others]), _reports(*[(o, "x") for o in others[:2]])]
+        assert unreachable_node(tries) == "x"
+
+
+def test_a_broken_link_or_a_try_s_noise_singles_out_nobody():
+    assert unreachable_node([_reports(("a", "b")), _reports(("b", "a"))]) is None  # either may be the healthy one
+    # "x" is in the reports of the first try only (a connection refused by a member that had aborted the try).
+    assert unreachable_node([_reports(("x", "a"), ("x", "b")), _reports(("a", "b"))]) is None
+    assert unreachable_node([_reports(("x", "a"), ("x", "b")), set()]) is None  # a try failed for another reason
+    assert unreachable_node([_reports(("x", "a"), ("x", "b"), ("y", "c"), ("y", "d"))]) is None  # two as bad
+    assert unreachable_node([]) is None

@@ -524,7 +524,12 @@ def _one_outer_step(clients, step, broken, rates=None):
         if views[0].skip:
             return tried
         ok = frozenset(broken) not in _ring_links(views[0].members)
-        if all(run_threads([lambda c=c, a=attempt, ok=ok: c.commit(step, a, ok) for c in clients])):
+
+        def unreachable(node, ok=ok):  # each end of the broken link could not connect to the other
+            return [] if ok or node not in broken else [n for n in broken if n != node]
+
+        if all(run_threads([lambda c=c, a=attempt, ok=ok: c.commit(step, a, ok, unreachable=unreachable(c.node))
+                            for c in clients])):
             return tried
 
 
@@ -557,6 +562,54 @@ def test_a_link_that_breaks_between_two_members_is_left_out_of_the_ring_and_the_
         # A probe that moves data across the link again makes it a link like the others.
         again = _one_outer_step(clients, 3, broken=(), rates=rates_into)
         assert not coordinator.links.suspect(*broken) and _ring_links(again[0].members) == fast
+    finally:
+        _close(clients)
+        coordinator.stop()
+
+
+def test_a_member_that_nobody_can_connect_to_is_evicted_once_its_outer_step_failed_on_every_try(caplog):
+    # Its links all broke (its firewall, address or port changed mid-run): every ring holds two of them, so no
+    # order helps. The members' reports of whom they could not connect to single it out (links.unreachable_node).
+    config = attrs.evolve(FAST, num_all_reduce_tries=3)
+    coordinator = Coordinator(config).start()
+    clients = _clients(coordinator, 4, config)
+    try:
+        assert len(_one_outer_step(clients, 0, broken=())) == 1
+        cut_off = clients[2]
+        for attempt in range(config.num_all_reduce_tries):
+            run_threads([lambda c=c, a=attempt: c.sync(1, a) for c in clients])
+            run_threads([lambda c=c, a=attempt: c.commit(1, a, False, unreachable=(
+                [o.node for o in clients if o is not c] if c is cut_off else [cut_off.node])) for c in clients])
+        survivors = [c for c in clients if c is not cut_off]
+
+        def last_sync(c):
+            try:
+                return c.sync(1, config.num_all_reduce_tries)
+            except Evicted as e:
+                return e
+
+        *views, evicted = run_threads([lambda c=c: last_sync(c) for c in [*survivors, cut_off]])
+        assert isinstance(evicted, Evicted), evicted
+        assert all(v.skip and cut_off.node not in v.members for v in views), views  # the step is skipped once
+        assert coordinator.evictions == [cut_off.node]
+        assert "no connection between it and the other members on all 3 tries of outer step 1" in caplog.text
+        # The next outer step is the others' own.
+        assert len(_one_outer_step(survivors, 2, broken=())) == 1
+    finally:
+        _close(clients)
+        coordinator.stop()
+
+
+def test_a_broken_link_between_two_of_three_members_singles_out_neither():
+    # Three nodes have one ring: every try holds the link, and both of its ends report the other. Either may be the
+    # healthy one, so nobody is evicted; the outer step is skipped, as before.
+    config = attrs.evolve(FAST, num_all_reduce_tries=3)
+    coordinator = Coordinator(config).start()
+    clients = _clients(coordinator, 3, config)
+    try:
+        _one_outer_step(clients, 0, broken=())
+        tried = _one_outer_step(clients, 1, broken=("node-0", "node-2"))
+        assert len(tried) == 4 and tried[-1].skip and len(tried[-1].members) == 3 and not coordinator.evictions
     finally:
         _close(clients)
         coordinator.stop()

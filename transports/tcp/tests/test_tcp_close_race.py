@@ -23,8 +23,12 @@ from openprime.transports.tcp import TcpTransport
 CONFIG = StreamTransportConfig(connect_timeout_s=5, num_connections=2)
 
 
+_STORES = []  # the rendezvous stores, alive while the transports' connections look their peers up
+
+
 def _pair(group: str) -> list[TcpTransport]:
     store = host_store(timeout_s=10)
+    _STORES.append(store)
     rendezvous = Rendezvous(host="127.0.0.1", port=store.port, group=group)
     return run_threads([lambda: TcpTransport(rendezvous, 0, 2, CONFIG), lambda: TcpTransport(rendezvous, 1, 2, CONFIG)])
 

@@ -17,6 +17,7 @@ def _with(**changes) -> functools.partial:
 
 class TestZmqTransport(TransportConformance):
     factory = _with()
+    connects_in_background = True
     shaped_factory = staticmethod(lambda shaping: _with(shaping=shaping))
     secured_factory = staticmethod(lambda auth: _with(auth=auth, connect_timeout_s=5))
     addressed_factory = staticmethod(lambda hostname, listen_host: _with(hostname=hostname, listen_host=listen_host))

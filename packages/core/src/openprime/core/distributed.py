@@ -8,9 +8,12 @@ reliance on the default group is part of why its elastic mode was fragile.
 from __future__ import annotations
 
 import datetime
+import threading
+import time
 
 import torch.distributed as dist
 
+from openprime.core.errors import PeerFailure
 from openprime.core.transport import Rendezvous
 
 
@@ -24,6 +27,26 @@ def host_store(host: str = "127.0.0.1", port: int = 0, *, timeout_s: float) -> d
 def store_client(host: str, port: int, *, timeout_s: float) -> dist.TCPStore:
     """A client of the rendezvous store at host:port, over the whole of its keys."""
     return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+#: How often `peer_address` looks at the store and at its `closed` flag.
+ADDRESS_POLL_S = 0.05
+
+
+def peer_address(store: dist.Store, peer: int, *, deadline: float, closed: threading.Event) -> str:
+    """The address `peer` published in the group's store (key `addr/PEER`), once it has.
+
+    Polled rather than a blocking `get`, which holds its caller until the store's timeout (the connect timeout,
+    60 s by default): a transport closed meanwhile (a doomed try's abort) would wait that long for the thread
+    looking up a peer that never came. Raises PeerFailure when `closed` is set, or at `deadline`."""
+    key = f"addr/{peer}"
+    while not store.check([key]):
+        if closed.is_set():
+            raise PeerFailure(peer, "transport is closed")
+        if time.monotonic() >= deadline:
+            raise PeerFailure(peer, "the peer did not publish its address before the deadline")
+        time.sleep(ADDRESS_POLL_S)
+    return store.get(key).decode()
 
 
 def connect_store(rendezvous: Rendezvous, timeout_s: float, *, suffix: str = "") -> dist.Store:

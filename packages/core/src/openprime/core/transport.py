@@ -93,6 +93,20 @@ class Transport(ABC):
         self._counter_lock = threading.Lock()
         self._bytes_sent = 0
         self._bytes_received = 0
+        self._unreachable: set[int] = set()
+
+    @property
+    def unreachable(self) -> frozenset[int]:
+        """The peers this transport tried to connect to and could not, since (a connection refused, reset or timed
+        out; not a peer that closed a connection it had), as a firewall or a broken route between two machines
+        leaves them. The membership reports them when a try fails, so that the coordinator can tell a node nobody
+        reaches from a try that failed for other reasons (openprime.mesh.links). Transports that connect
+        through a library that does not say to whom (Gloo) report none."""
+        return frozenset(self._unreachable)
+
+    def _reached(self, peer: int, ok: bool) -> None:
+        """A connection attempt to `peer` succeeded (`ok`) or failed: kept for `unreachable`."""
+        (self._unreachable.discard if ok else self._unreachable.add)(peer)
 
     @property
     def bytes_sent(self) -> int:

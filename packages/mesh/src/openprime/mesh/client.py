@@ -202,12 +202,15 @@ class MeshClient:
         host = self.address.split("://", 1)[-1].rsplit(":", 1)[0]
         return f"{host}:{store.rsplit(':', 1)[1]}"
 
-    def commit(self, step: int, attempt: int, ok: bool) -> bool:
-        """Report this node's all-reduce outcome; True when every member succeeded (apply it)."""
+    def commit(self, step: int, attempt: int, ok: bool, *, unreachable: list[str] | None = None) -> bool:
+        """Report this node's all-reduce outcome; True when every member succeeded (apply it). `unreachable`: the
+        members this node could not connect to in the try (its transports' `unreachable`)."""
         deadline = time.monotonic() + self.config.sync_timeout_s
         with self._lock:
-            timed = {"compute_s": self._compute_s} if self._compute_s is not None else {}
-            reply = self._request(self._sock, "commit", deadline, step=step, attempt=attempt, ok=ok, **timed)
+            extra: dict[str, Any] = {"compute_s": self._compute_s} if self._compute_s is not None else {}
+            if unreachable:
+                extra["unreachable"] = list(unreachable)
+            reply = self._request(self._sock, "commit", deadline, step=step, attempt=attempt, ok=ok, **extra)
         if reply["apply"]:
             self._applied_at = time.monotonic()
             self._view_applied = True

@@ -42,7 +42,7 @@ from openprime.core.errors import ConfigError
 from openprime.mesh import terms as terms_rules
 from openprime.mesh.abort import abort_key, try_group
 from openprime.mesh.config import MeshConfig
-from openprime.mesh.links import LinkSuspicion, ring_links
+from openprime.mesh.links import LinkSuspicion, ring_links, unreachable_node
 from openprime.mesh.protocol import BadMessage, check_request, pack, unpack
 from openprime.mesh.ring_order import best_ring, ring_bottleneck
 from openprime.mesh.stragglers import StragglerClock, is_retry
@@ -72,6 +72,7 @@ class Committee:
     reports: dict[str, bool] = attrs.Factory(dict)
     waiting: dict[str, tuple[bytes, int]] = attrs.Factory(dict)
     reported_at: dict[str, float] = attrs.Factory(dict)  # when each member reported (time.monotonic())
+    unreachable: set[tuple[str, str]] = attrs.Factory(set)  # (member, a member it could not connect to)
 
 
 class Coordinator:
@@ -124,6 +125,7 @@ class Coordinator:
         self._unproven: set[str] = set()
         self._unexplained: dict[int, int] = {}  # outer step -> its tries that failed with every member alive
         self.links = LinkSuspicion()  # links on rings whose tries failed with every member alive (links.py)
+        self._unreached: dict[int, list[set[frozenset[str]]]] = {}  # outer step -> its unexplained tries' reports
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._started = time.monotonic()
@@ -325,6 +327,8 @@ class Coordinator:
         committee.reported_at.setdefault(message["node"], self._sent_at(message))
         self._clock.reported(message.get("compute_s"))
         committee.reports[message["node"]] = message["ok"]
+        committee.unreachable.update((message["node"], m) for m in message.get("unreachable") or []
+                                     if m in committee.members and m != message["node"])
         if not message["ok"]:
             self._doom(committee, f"node {message['node']} reported that its part failed")
         committee.waiting[message["node"]] = (route, message["req"])
@@ -418,7 +422,8 @@ class Coordinator:
         arrivals = [self._waiting[m][2] for m in live_members] or [self._waiting[j][2] for j in joiners]
         step = max(a["step"] for a in arrivals)
         attempt = max(a["attempt"] for a in arrivals if a["step"] == step)
-        if attempt >= self.config.num_all_reduce_tries and self._refuse_unproven(live_members, step):
+        if attempt >= self.config.num_all_reduce_tries and (self._refuse_unproven(live_members, step)
+                                                             or self._evict_unreachable(step)):
             live_members = [m for m in live_members if m in self.nodes]
         if live_members:
             self._refuse_ahead(joiners, step)
@@ -531,6 +536,22 @@ class Coordinator:
         self._refuse_at_barrier(culprits, reason)
         return True
 
+    def _evict_unreachable(self, step: int) -> bool:
+        """The outer step failed on every try with every member alive, and what the members could not connect to
+        singles out one node (links.unreachable_node: its links broke, or its address, port or firewall changed):
+        evict it, so that the others sync again. Returns whether one was."""
+        if self._unexplained.get(step, 0) < self.config.num_all_reduce_tries:
+            return False
+        culprit = unreachable_node(self._unreached.get(step, []))
+        if culprit is None or culprit not in self.nodes:
+            return False
+        tries = self.config.num_all_reduce_tries
+        self._remove(culprit, f"no connection between it and the other members on all {tries} tries of outer step "
+                              f"{step}, whatever the ring order. Check that the other machines can reach this one at "
+                              f"its transport address (transport.options.hostname, its ports, firewalls, NAT). It "
+                              f"rejoins as a new node")
+        return True
+
     def _evict_silent_committee(self, committee: Committee, now: float) -> None:
         """A member alive by its heartbeats that does not report on its all-reduce (a process of it hung after its
         barrier: it never built its group) would hold the others in their commit until their sync timeout: evict
@@ -560,6 +581,10 @@ class Coordinator:
         elif live == committee.members:  # nobody was lost, yet a member's all-reduce failed
             self._unexplained = {committee.step: self._unexplained.get(committee.step, 0) + 1}
             self.links.failed(committee.ring)  # a link of its ring, perhaps: the next view's ring avoids them
+            # Links that both ends could not connect over: a member that aborted the try and closed its transport
+            # refuses the connections that come after, but by then its own connections were made or given up.
+            broken = {frozenset(p) for p in committee.unreachable if (p[1], p[0]) in committee.unreachable}
+            self._unreached = {committee.step: [*self._unreached.get(committee.step, []), broken]}
         for route, req in committee.waiting.values():
             self._reply(route, req, {"op": "decision", "apply": apply})
         self._committee = None

@@ -182,13 +182,23 @@ class ElasticDeviceMesh(Membership):
                                                      f"its part of outer step {step} try {attempt}")
             self._transport.close()
         ok = self._all_local(ok)
+        unreachable = [] if ok else self._unreachable_nodes()
         try:
-            applied = bool(self._on_rank0(lambda: self.client.commit(step, attempt, ok)))
+            applied = bool(self._on_rank0(lambda: self.client.commit(step, attempt, ok, unreachable=unreachable)))
         finally:
             self._watch.unwatch()
         if applied and self._probe_bytes and self._probed_epoch != self._epoch and len(self.view.members) > 2:
             self._start_probe()
         return applied
+
+    def _unreachable_nodes(self) -> list[str]:
+        """The members this node's transports of the try could not connect to (any local rank's), by node id: what
+        the coordinator needs to find a node that nobody reaches (openprime.mesh.links)."""
+        ranks = sorted(self._transport.unreachable) if self._transport is not None else []
+        if self.local_group is not None:
+            gathered = _all_gather_bytes(msgpack.packb(ranks), self.local_group)
+            ranks = sorted({r for b in gathered for r in msgpack.unpackb(b, raw=False)})
+        return [self.view.members[r] for r in ranks if r < len(self.view.members)]
 
     def abandon(self) -> None:
         # The same group serves the next outer step if the view does not change (the same epoch, a first try);

@@ -20,8 +20,16 @@ order and its groups). One broken link then costs:
   (n = 5: the links the failed ring did not use form another ring, the pentagram; n >= 6: Dirac's theorem,
   every node keeps n - 3 >= n/2 of its n - 1 links).
 - n <= 3: there is only one ring; failed tries skip the step, as before.
-A node all of whose links broke is on every ring with two of them: ordering cannot avoid it, and this
-memory cannot find it (every ring holds every node twice, so every node is as suspect as any other).
+A node all of whose links broke is on every ring with two of them: ordering cannot avoid it, and these
+counts cannot find it (every ring holds every node twice, so every node is as suspect as any other). What
+finds it is what the members say when a try fails: the members their transports could not connect to
+(`Transport.unreachable`: refused, reset or timed out, as a firewall or a dead route leaves them). A link
+counts as broken in a try when both of its ends report it: once a member aborts a doomed try and closes
+its transport, connections to it are refused too, but only one way (its own were made or given up
+before). `unreachable_node` singles out a node that the broken links of every failed try of an outer step
+hold, paired with at least two other nodes, more than any other node; the coordinator evicts it once the outer step has
+failed on all its tries (it rejoins as a new node, and is refused if it still breaks the ring). A single
+broken link names two nodes, each paired with one: nobody is singled out, and the ring goes round it.
 
 For up to `EXACT_MAX_NODES` nodes every ring is scored; above, a 2-opt search from the current order
 (reverse a stretch of the ring while that lowers the sum) finds a ring of few suspicions.
@@ -32,7 +40,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Sequence
 
-__all__ = ["EXACT_MAX_NODES", "LinkSuspicion"]
+__all__ = ["EXACT_MAX_NODES", "LinkSuspicion", "ring_links", "unreachable_node"]
 
 #: Up to this many nodes every ring is scored: (n - 1)! orders, 5040 at 8 nodes (about 20 ms).
 EXACT_MAX_NODES = 8
@@ -116,3 +124,29 @@ class LinkSuspicion:
                         ring[i:j + 1] = reversed(ring[i:j + 1])
                         improved = True
         return ring
+
+
+def unreachable_node(tries: Sequence[set[frozenset[str]]]) -> str | None:
+    """The node that the unreachable reports of an outer step's failed tries single out, or None.
+
+    `tries`: per failed try, its broken links (both ends reported the other unreachable). The node must be in one of
+    every try (a link that broke for good, not one try's noise, such as a connection refused by a member that had
+    just aborted the try), paired with at least two other nodes over the tries (one pair is a broken link, and
+    either of its nodes may be the healthy one), and paired with more nodes than any other node is.
+    """
+    if not tries or not all(tries):
+        return None
+    partners: dict[str, set[str]] = {}
+    for pairs in tries:
+        for pair in pairs:
+            a, b = sorted(pair)
+            partners.setdefault(a, set()).add(b)
+            partners.setdefault(b, set()).add(a)
+    in_every = set.intersection(*({node for pair in pairs for node in pair} for pairs in tries))
+    ranked = sorted(partners, key=lambda node: (-len(partners[node]), node))
+    best = ranked[0]
+    if best not in in_every or len(partners[best]) < 2:
+        return None
+    if len(ranked) > 1 and len(partners[ranked[1]]) == len(partners[best]):
+        return None
+    return best

@@ -11,7 +11,8 @@ the nodes report):
     join       {node, incarnation}                                 -> joined {slot} | refused {reason}
     heartbeat  {node, incarnation}                                 -> ok | evicted
     sync       {node, incarnation, step, attempt, hash, compute_s} -> view {epoch, members, new, step, attempt, skip}
-    commit     {node, incarnation, step, attempt, ok, compute_s}   -> decision {apply}
+    commit     {node, incarnation, step, attempt, ok, compute_s,   -> decision {apply}
+                unreachable (the members it could not connect to)}
     leave      {node, incarnation}                                 -> ok          (the deathrattle)
     status     {}                                                  -> status {...} (tools and tests)
 
@@ -97,9 +98,10 @@ def check_request(message: dict[str, Any]) -> str:
             raise BadMessage(f"{op}: field {name!r} missing or not {getattr(kind, '__name__', kind)}")
     if op != "status" and not all(isinstance(m, str) for m in message["members"]):
         raise BadMessage(f"{op}: members must be node ids")
-    new = message.get("new")  # optional, as `applied`: the nodes admitted by the view the node holds
-    if new is not None and not (isinstance(new, list) and all(isinstance(m, str) for m in new)):
-        raise BadMessage(f"{op}: new must be a list of node ids")
+    for name in ("new", "unreachable"):  # optional: the nodes the view admitted; those a member could not reach
+        nodes = message.get(name)
+        if nodes is not None and not (isinstance(nodes, list) and all(isinstance(m, str) for m in nodes)):
+            raise BadMessage(f"{op}: {name} must be a list of node ids")
     if message.get("applied") is not None and not isinstance(message["applied"], bool):
         raise BadMessage(f"{op}: applied must be true or false")
     bandwidth = message.get("bw")

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from openprime.core import auth
-from openprime.core.distributed import connect_store
+from openprime.core.distributed import connect_store, peer_address
 from openprime.core.errors import ConfigError, FrameError, OpenPrimeError, PeerFailure
 from openprime.core.frames import (
     KIND_CONTROL,
@@ -171,8 +171,10 @@ class TcpTransport(MailboxReceives, Transport):
         link.generation += 1
         link.next_seq.clear()
         timeout = min(self.config.connect_timeout_s, max(remaining(deadline), 0.001))
+        addressed = False  # the peer published its address: a failure from here on is the link's (unreachable)
         try:
-            host, port = self._store.get(f"addr/{peer}").decode().rsplit(":", 1)
+            host, port = peer_address(self._store, peer, deadline=now() + timeout, closed=self._closed).rsplit(":", 1)
+            addressed = True
             for conn in range(self.config.num_connections):
                 sock = socket.create_connection((host, int(port)), timeout=timeout)
                 link.sockets.append(sock)
@@ -182,7 +184,10 @@ class TcpTransport(MailboxReceives, Transport):
             self._drop(link)
             if isinstance(e, auth.Refused):
                 self._refuse(f"rank {peer}", str(e))
+            if addressed and not self._closed.is_set():
+                self._reached(peer, False)
             raise PeerFailure(peer, f"cannot connect: {e}") from None
+        self._reached(peer, True)
         threading.Thread(target=self._watch, args=(peer, link.generation, link.sockets[0]), daemon=True,
                          name=f"tcp-watch-{self.rank}-{peer}").start()
         for conn, sock in enumerate(link.sockets):

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 import uuid
 from collections import defaultdict
 from collections.abc import Sequence
@@ -35,7 +34,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from openprime.core import auth
-from openprime.core.distributed import connect_store
+from openprime.core.distributed import connect_store, peer_address
 from openprime.core.errors import OpenPrimeError, PeerFailure
 from openprime.core.frames import encode_control
 from openprime.core.mailbox import Mailbox, MailboxReceives
@@ -181,8 +180,10 @@ class ZmqTransport(MailboxReceives, Transport):
         deadline = min(deadline, now() + self.config.connect_timeout_s)
         target = "?"
         socks: list[zmq.Socket] = []
+        addressed = False  # the peer published its address: a failure from here on is the link's (unreachable)
         try:
-            target = self._lookup(peer, deadline)
+            target = peer_address(self._store, peer, deadline=deadline, closed=self._closed)
+            addressed = True
             for conn in range(self.config.num_connections):
                 socks.append(self._dealer(peer, conn, link.generation))
             self._client_handshake(socks, target, peer, link.generation, deadline)
@@ -192,7 +193,10 @@ class ZmqTransport(MailboxReceives, Transport):
             if isinstance(e, auth.Refused):  # the peer refused us, or failed to prove it holds the secret
                 self._refuse(target, str(e))
             reason = e.reason if isinstance(e, PeerFailure) else str(e)
+            if addressed and not self._closed.is_set():
+                self._reached(peer, False)
             raise PeerFailure(peer, f"cannot connect to {target}: {reason}") from None
+        self._reached(peer, True)
         for conn, sock in enumerate(socks):
             out = _OutConn(sock)
             link.conns.append(out)
@@ -200,17 +204,6 @@ class ZmqTransport(MailboxReceives, Transport):
                 f"zmq-send-{self.rank}-{peer}-{conn}", self._writer_for(out, peer), link.shaper,
                 on_error=lambda e, p=peer, g=link.generation: self._send_failed(p, g, e)))
         link.broken = False
-
-    def _lookup(self, peer: int, deadline: float) -> str:
-        """The peer's endpoint from the store, polled so that close() is never held up by a missing peer."""
-        key = f"addr/{peer}"
-        while not self._store.check([key]):
-            if self._closed.is_set():
-                raise PeerFailure(peer, "transport is closed")
-            if remaining(deadline) <= 0:
-                raise PeerFailure(peer, "the peer did not publish its address before the deadline")
-            time.sleep(SLICE_S)
-        return self._store.get(key).decode()
 
     def _dealer(self, peer: int, conn: int, generation: int) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
