@@ -218,6 +218,10 @@ class ForwardingTransport(Transport):
     def irecv(self, peer: int, tag: int, buffers: Sequence[torch.Tensor], *, deadline: float) -> Handle:
         return self.inner.irecv(peer, tag, buffers, deadline=deadline)
 
+    @property
+    def unreachable(self) -> frozenset[int]:
+        return self.inner.unreachable
+
     def close(self) -> None:
         self.inner.close()
 

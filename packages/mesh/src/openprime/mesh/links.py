@@ -27,9 +27,10 @@ finds it is what the members say when a try fails: the members their transports 
 counts as broken in a try when both of its ends report it: once a member aborts a doomed try and closes
 its transport, connections to it are refused too, but only one way (its own were made or given up
 before). `unreachable_node` singles out a node that the broken links of every failed try of an outer step
-hold, paired with at least two other nodes, more than any other node; the coordinator evicts it once the outer step has
-failed on all its tries (it rejoins as a new node, and is refused if it still breaks the ring). A single
-broken link names two nodes, each paired with one: nobody is singled out, and the ring goes round it.
+hold, paired with at least two other nodes, more than any other node; the coordinator evicts it once
+the outer step has failed on all its tries (it rejoins as a new node, and is refused if it still breaks
+the ring). A single broken link names two nodes, each paired with one: nobody is singled out, and the
+ring goes round it.
 
 For up to `EXACT_MAX_NODES` nodes every ring is scored; above, a 2-opt search from the current order
 (reverse a stretch of the ring while that lowers the sum) finds a ring of few suspicions.
