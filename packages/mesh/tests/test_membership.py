@@ -15,6 +15,7 @@ import zmq
 from openprime.core.errors import PeerFailure
 from openprime.core.testing import run_threads
 from openprime.mesh import Coordinator, Evicted, JoinRefused, MeshClient, MeshConfig
+from openprime.mesh.links import ring_links
 from openprime.mesh.protocol import pack, unpack
 
 FAST = MeshConfig(heartbeat_interval_s=0.1, num_missed_heartbeats=3, sync_timeout_s=10, num_all_reduce_tries=2)
@@ -508,10 +509,6 @@ def test_measured_bandwidth_reorders_the_ring(coordinator):
     _close(clients)
 
 
-def _ring_links(order):
-    return {frozenset(p) for p in zip(order, order[1:] + order[:1], strict=True)}
-
-
 def _one_outer_step(clients, step, broken, rates=None):
     """Tries of `step` until one is applied or the step is skipped: each client reports success unless the view's
     ring holds the `broken` link. `rates(node)`: the bandwidths a node reports at the first try. The views."""
@@ -523,7 +520,7 @@ def _one_outer_step(clients, step, broken, rates=None):
         tried.append(views[0])
         if views[0].skip:
             return tried
-        ok = frozenset(broken) not in _ring_links(views[0].members)
+        ok = frozenset(broken) not in set(ring_links(views[0].members))
 
         def unreachable(node, ok=ok):  # each end of the broken link could not connect to the other
             return [] if ok or node not in broken else [n for n in broken if n != node]
@@ -545,7 +542,7 @@ def test_a_link_that_breaks_between_two_members_is_left_out_of_the_ring_and_the_
         first = _one_outer_step(clients, 0, broken=())
         assert len(first) == 1 and first[0].members[:2] == ("node-0", "node-1")
         # The bandwidths measured before the link broke: the first ring is by far the fastest.
-        fast = _ring_links(first[0].members)
+        fast = set(ring_links(first[0].members))
 
         def rates_into(dst):
             return {src: 1e9 if frozenset((src, dst)) in fast else 1e6 for src in first[0].members if src != dst}
@@ -561,7 +558,7 @@ def test_a_link_that_breaks_between_two_members_is_left_out_of_the_ring_and_the_
         assert len(after) == 1 and (after[0].members, after[0].epoch) == (tried[-1].members, tried[-1].epoch)
         # A probe that moves data across the link again makes it a link like the others.
         again = _one_outer_step(clients, 3, broken=(), rates=rates_into)
-        assert not coordinator.links.suspect(*broken) and _ring_links(again[0].members) == fast
+        assert not coordinator.links.suspect(*broken) and set(ring_links(again[0].members)) == fast
     finally:
         _close(clients)
         coordinator.stop()

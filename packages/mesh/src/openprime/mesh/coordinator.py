@@ -123,9 +123,10 @@ class Coordinator:
         # Nodes admitted into a running ring that have not yet been members of an applied all-reduce: if the outer
         # step fails on every try after their admission, they are what changed (see _refuse_unproven).
         self._unproven: set[str] = set()
-        self._unexplained: dict[int, int] = {}  # outer step -> its tries that failed with every member alive
+        # Outer step -> its tries that failed with every member alive, each as the links both of whose ends
+        # reported that they could not connect over it (for _evict_unreachable).
+        self._unexplained: dict[int, list[set[frozenset[str]]]] = {}
         self.links = LinkSuspicion()  # links on rings whose tries failed with every member alive (links.py)
-        self._unreached: dict[int, list[set[frozenset[str]]]] = {}  # outer step -> its unexplained tries' reports
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._started = time.monotonic()
@@ -308,7 +309,7 @@ class Coordinator:
         for sender, rate in (message.get("bw") or {}).items():
             self.bandwidth[(sender, message["node"])] = float(rate)
             if float(rate) > 0:
-                self.links.worked(ring_links([sender, message["node"]]))  # a probe's data crossed it
+                self.links.worked([frozenset((sender, message["node"]))])  # a probe's data crossed it
         message["arrived_at"] = self._sent_at(message)
         self._waiting[message["node"]] = (route, message["req"], message)
         return None  # answered when the barrier completes
@@ -525,7 +526,7 @@ class Coordinator:
         culprits = [m for m in live_members if m in self._unproven]
         if not culprits or len(culprits) == len(live_members):
             return False
-        if self._unexplained.get(step, 0) < self.config.num_all_reduce_tries:
+        if len(self._unexplained.get(step, [])) < self.config.num_all_reduce_tries:
             return False  # some tries failed because a member was lost: that explains them
         reason = (f"the all-reduce of outer step {step} failed on all {self.config.num_all_reduce_tries} tries after "
                   f"this node was admitted, where the run's other members had succeeded without it: they could not "
@@ -540,9 +541,9 @@ class Coordinator:
         """The outer step failed on every try with every member alive, and what the members could not connect to
         singles out one node (links.unreachable_node: its links broke, or its address, port or firewall changed):
         evict it, so that the others sync again. Returns whether one was."""
-        if self._unexplained.get(step, 0) < self.config.num_all_reduce_tries:
+        if len(self._unexplained.get(step, [])) < self.config.num_all_reduce_tries:
             return False
-        culprit = unreachable_node(self._unreached.get(step, []))
+        culprit = unreachable_node(self._unexplained[step])
         if culprit is None or culprit not in self.nodes:
             return False
         tries = self.config.num_all_reduce_tries
@@ -579,12 +580,11 @@ class Coordinator:
             self.links.worked(ring_links(committee.ring))
             self._clock.applied(time.monotonic())
         elif live == committee.members:  # nobody was lost, yet a member's all-reduce failed
-            self._unexplained = {committee.step: self._unexplained.get(committee.step, 0) + 1}
             self.links.failed(committee.ring)  # a link of its ring, perhaps: the next view's ring avoids them
             # Links that both ends could not connect over: a member that aborted the try and closed its transport
             # refuses the connections that come after, but by then its own connections were made or given up.
             broken = {frozenset(p) for p in committee.unreachable if (p[1], p[0]) in committee.unreachable}
-            self._unreached = {committee.step: [*self._unreached.get(committee.step, []), broken]}
+            self._unexplained = {committee.step: [*self._unexplained.get(committee.step, []), broken]}
         for route, req in committee.waiting.values():
             self._reply(route, req, {"op": "decision", "apply": apply})
         self._committee = None
