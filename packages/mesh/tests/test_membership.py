@@ -551,14 +551,14 @@ def test_a_link_that_breaks_between_two_members_is_left_out_of_the_ring_and_the_
         tried = _one_outer_step(clients, 1, broken, rates=rates_into)
         assert not tried[-1].skip and len(tried) <= (3 if num_nodes == 4 else 2), tried
         assert [v.epoch for v in tried] == list(range(first[0].epoch, first[0].epoch + len(tried)))  # new groups
-        assert coordinator.links.suspect(*broken)
+        assert coordinator.blame.links.suspect(*broken)
         # The ring that worked stays, and so do its groups; the bandwidths measured before the link broke would
         # bring it back (1000x faster), but a suspect link counts as a link of no bandwidth.
         after = _one_outer_step(clients, 2, broken)
         assert len(after) == 1 and (after[0].members, after[0].epoch) == (tried[-1].members, tried[-1].epoch)
         # A probe that moves data across the link again makes it a link like the others.
         again = _one_outer_step(clients, 3, broken=(), rates=rates_into)
-        assert not coordinator.links.suspect(*broken) and set(ring_links(again[0].members)) == fast
+        assert not coordinator.blame.links.suspect(*broken) and set(ring_links(again[0].members)) == fast
     finally:
         _close(clients)
         coordinator.stop()

@@ -33,7 +33,6 @@ import time
 from typing import Any
 
 import attrs
-import numpy as np
 import zmq
 
 from openprime.core.auth import AuthConfig
@@ -41,10 +40,9 @@ from openprime.core.distributed import host_store
 from openprime.core.errors import ConfigError
 from openprime.mesh import terms as terms_rules
 from openprime.mesh.abort import abort_key, try_group
+from openprime.mesh.blame import Blame
 from openprime.mesh.config import MeshConfig
-from openprime.mesh.links import LinkSuspicion, ring_links, unreachable_node
 from openprime.mesh.protocol import BadMessage, check_request, pack, unpack
-from openprime.mesh.ring_order import best_ring, ring_bottleneck
 from openprime.mesh.stragglers import StragglerClock, is_retry
 
 log = logging.getLogger("openprime.mesh.coordinator")
@@ -120,13 +118,8 @@ class Coordinator:
         self.terms_node = ""
         self.refusals: list[str] = []
         self.evictions: list[str] = []
-        # Nodes admitted into a running ring that have not yet been members of an applied all-reduce: if the outer
-        # step fails on every try after their admission, they are what changed (see _refuse_unproven).
-        self._unproven: set[str] = set()
-        # Outer step -> its tries that failed with every member alive, each as the links both of whose ends
-        # reported that they could not connect over it (for _evict_unreachable).
-        self._unexplained: dict[int, list[set[frozenset[str]]]] = {}
-        self.links = LinkSuspicion()  # links on rings whose tries failed with every member alive (links.py)
+        # What tries that failed with every member alive tell: suspect links, unproven joiners, a node nobody reaches.
+        self.blame = Blame(config.num_all_reduce_tries)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._started = time.monotonic()
@@ -309,7 +302,7 @@ class Coordinator:
         for sender, rate in (message.get("bw") or {}).items():
             self.bandwidth[(sender, message["node"])] = float(rate)
             if float(rate) > 0:
-                self.links.worked([frozenset((sender, message["node"]))])  # a probe's data crossed it
+                self.blame.probed(sender, message["node"])  # a probe's data crossed the link
         message["arrived_at"] = self._sent_at(message)
         self._waiting[message["node"]] = (route, message["req"], message)
         return None  # answered when the barrier completes
@@ -365,8 +358,7 @@ class Coordinator:
         self._waiting.pop(node, None)
         for key in [k for k in self._viewed if k[0] == node]:
             del self._viewed[key]
-        self._unproven.discard(node)
-        self.links.forget(node)
+        self.blame.forget(node)
         self.evictions.append(node)
         log.warning("node %s removed: %s", node, why)
         if self._committee is not None and node in self._committee.members:
@@ -449,7 +441,7 @@ class Coordinator:
             return
         members = self._ring_order(live_members, joiners)
         if live_members:
-            self._unproven.update(joiners)  # joining a ring that works; they prove themselves in an applied step
+            self.blame.admitted(joiners)  # joining a ring that works; they prove themselves in an applied step
         if members != self.members:
             self.epoch += 1  # a new set, or the same set in a new order: either way new groups
         self.members, self.step = members, step
@@ -513,21 +505,18 @@ class Coordinator:
         for node in nodes:
             route, req, _ = self._waiting.pop(node)
             self.nodes.pop(node, None)
-            self._unproven.discard(node)
+            self.blame.forget(node)
             self.refusals.append(reason)
             self._reply(route, req, {"op": "refused", "reason": reason})
 
     def _refuse_unproven(self, live_members: list[str], step: int) -> bool:
         """The outer step failed on every try with every member alive, and some members were admitted to a ring
-        that worked without them and have not been in an applied all-reduce since: refuse them (they would fail
-        every outer step of the whole run, as a node whose peers cannot reach it does) and go on without them.
-        Returns whether any were refused. Without members proven before them, nothing tells who is at fault; tries
-        that failed because a member was lost are explained by that loss."""
-        culprits = [m for m in live_members if m in self._unproven]
-        if not culprits or len(culprits) == len(live_members):
+        that worked without them and have not been in an applied all-reduce since (blame.py): refuse them (they
+        would fail every outer step of the whole run, as a node whose peers cannot reach it does) and go on without
+        them. Returns whether any were refused."""
+        culprits = self.blame.unproven_culprits(live_members, step)
+        if not culprits:
             return False
-        if len(self._unexplained.get(step, [])) < self.config.num_all_reduce_tries:
-            return False  # some tries failed because a member was lost: that explains them
         reason = (f"the all-reduce of outer step {step} failed on all {self.config.num_all_reduce_tries} tries after "
                   f"this node was admitted, where the run's other members had succeeded without it: they could not "
                   f"exchange data with it. Check that the other machines can reach this one at its transport address "
@@ -539,11 +528,9 @@ class Coordinator:
 
     def _evict_unreachable(self, step: int) -> bool:
         """The outer step failed on every try with every member alive, and what the members could not connect to
-        singles out one node (links.unreachable_node: its links broke, or its address, port or firewall changed):
-        evict it, so that the others sync again. Returns whether one was."""
-        if len(self._unexplained.get(step, [])) < self.config.num_all_reduce_tries:
-            return False
-        culprit = unreachable_node(self._unexplained[step])
+        singles out one node (blame.py: its links broke, or its address, port or firewall changed): evict it, so
+        that the others sync again. Returns whether one was."""
+        culprit = self.blame.unreachable_culprit(step)
         if culprit is None or culprit not in self.nodes:
             return False
         tries = self.config.num_all_reduce_tries
@@ -576,15 +563,10 @@ class Coordinator:
         apply = live == committee.members and all(committee.reports.values())
         self._decisions[(committee.step, committee.attempt)] = apply
         if apply:
-            self._unproven -= committee.members
-            self.links.worked(ring_links(committee.ring))
+            self.blame.applied(committee.members, committee.ring)
             self._clock.applied(time.monotonic())
-        elif live == committee.members:  # nobody was lost, yet a member's all-reduce failed
-            self.links.failed(committee.ring)  # a link of its ring, perhaps: the next view's ring avoids them
-            # Links that both ends could not connect over: a member that aborted the try and closed its transport
-            # refuses the connections that come after, but by then its own connections were made or given up.
-            broken = {frozenset(p) for p in committee.unreachable if (p[1], p[0]) in committee.unreachable}
-            self._unexplained = {committee.step: [*self._unexplained.get(committee.step, []), broken]}
+        elif live == committee.members:  # nobody was lost, yet a member's all-reduce failed: unexplained
+            self.blame.failed(committee.step, committee.ring, committee.unreachable)
         for route, req in committee.waiting.values():
             self._reply(route, req, {"op": "decision", "apply": apply})
         self._committee = None
@@ -593,28 +575,12 @@ class Coordinator:
                         "a member was lost" if live != committee.members else "a member's all-reduce failed")
 
     def _ring_order(self, live_members: list[str], joiners: list[str]) -> list[str]:
-        """The current order (joiners appended), unless links of it are suspect (a try on them failed with every
-        member alive: the ring of the fewest suspicions, links.py) or the measured bandwidths give a much
-        faster ring (which never brings a suspect link back)."""
-        current = live_members + joiners
-        if self.links.score(current):
-            order = self.links.ring(current)
-            if order != current:
-                log.warning("ring re-ordered around links on which tries failed with every member alive (%s): %s",
-                            ", ".join(f"{'-'.join(sorted(link))} x{n}" for link, n in self.links.failures.items()
-                                      if link <= set(current)), order)
-            return order
-        if len(current) < 3 or not self.bandwidth:
-            return current
-        matrix = np.array([[0.0 if self.links.suspect(a, b) else self.bandwidth.get((a, b), 0.0) for b in current]
-                           for a in current])
-        order = best_ring(matrix)
-        best = [current[i] for i in order]
-        gain = ring_bottleneck(matrix, order) / max(ring_bottleneck(matrix, range(len(current))), 1e-9)
-        if gain >= self.config.reorder_gain:
-            log.info("ring re-ordered for bandwidth (slowest link %.1fx faster): %s", gain, best)
-            return best
-        return current
+        """The current order (joiners appended), unless links of it are suspect or the measured bandwidths give
+        a much faster ring (blame.py)."""
+        order, why = self.blame.ring(live_members + joiners, self.bandwidth, self.config.reorder_gain)
+        if why is not None:
+            log.warning("ring re-ordered %s: %s", why, order)
+        return order
 
     def _record_hash(self, node: str, step: int, digest: str) -> None:
         by_node = self.hashes.setdefault(step, {})

@@ -1,0 +1,116 @@
+"""Who is at fault when an outer step's all-reduce fails with every member alive, and which ring to use next.
+
+A try that fails because a member was lost is explained by that loss: the next view leaves the member out.
+A try that fails with every member alive and reporting is *unexplained*: a member's transport could not
+exchange data with another one. The coordinator learns three things from such tries, kept here:
+- the links of their rings are suspect (links.LinkSuspicion): the next view's ring avoids them, so a link
+  broken between two members is left out of the ring;
+- the members admitted into a ring that worked without them, not yet members of an applied all-reduce
+  (`unproven`): if every try of an outer step fails after their admission, they are what changed, and are
+  refused;
+- the links both of whose ends reported they could not connect over them (`Transport.unreachable`): a node
+  that these single out over every try of an outer step (links.unreachable_node) is evicted.
+An applied all-reduce proves its members and its ring's links; a bandwidth probe that moved data proves its
+link. The coordinator asks, once an outer step has failed on all `num_tries` tries, whom to refuse or evict
+(it does so and words the log); this module only remembers and decides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from openprime.mesh.links import LinkSuspicion, ring_links, unreachable_node
+from openprime.mesh.ring_order import best_ring, ring_bottleneck
+
+__all__ = ["Blame"]
+
+
+class Blame:
+    """The coordinator's memory of unexplained failed tries, and the decisions drawn from it."""
+
+    def __init__(self, num_tries: int) -> None:
+        self.num_tries = num_tries  # mesh.num_all_reduce_tries: an outer step fails for good after this many
+        self.links = LinkSuspicion()  # links on rings whose tries failed with every member alive (links.py)
+        # Nodes admitted into a running ring that have not yet been members of an applied all-reduce.
+        self.unproven: set[str] = set()
+        # Outer step -> its tries that failed with every member alive, each as the links both of whose ends
+        # reported that they could not connect over it. Only the newest step is kept.
+        self._unexplained: dict[int, list[set[frozenset[str]]]] = {}
+
+    # ------------------------------------------------------------------ what happened
+
+    def admitted(self, joiners: Sequence[str]) -> None:
+        """Joiners admitted into a ring that worked: they prove themselves in an applied all-reduce."""
+        self.unproven.update(joiners)
+
+    def applied(self, members: Sequence[str], ring: Sequence[str]) -> None:
+        """An all-reduce was applied: its members and its ring's links worked."""
+        self.unproven -= set(members)
+        self.links.worked(ring_links(ring))
+
+    def probed(self, a: str, b: str) -> None:
+        """A bandwidth probe moved data between a and b: their link works."""
+        self.links.worked([frozenset((a, b))])
+
+    def failed(self, step: int, ring: Sequence[str], unreachable: set[tuple[str, str]]) -> None:
+        """A try of `step` on `ring` failed with every member alive. `unreachable`: (member, a member its
+        transports could not connect to). A link counts as broken when both of its ends reported it: a member
+        that aborted the try and closed its transport refuses the connections that come after, but by then its
+        own connections were made or given up."""
+        self.links.failed(ring)  # a link of its ring, perhaps: the next view's ring avoids them
+        broken = {frozenset(p) for p in unreachable if (p[1], p[0]) in unreachable}
+        self._unexplained = {step: [*self._unexplained.get(step, []), broken]}
+
+    def forget(self, node: str) -> None:
+        """The node left the run (removed or refused): it comes back, if at all, as a new node."""
+        self.unproven.discard(node)
+        self.links.forget(node)
+
+    # ------------------------------------------------------------------ decisions
+
+    def all_tries_unexplained(self, step: int) -> bool:
+        """Every try of `step` failed with every member alive (none is explained by a member that was lost)."""
+        return len(self._unexplained.get(step, [])) >= self.num_tries
+
+    def unproven_culprits(self, live_members: Sequence[str], step: int) -> list[str]:
+        """The members to refuse after every try of `step` failed unexplained: those admitted since the ring last
+        worked. None if every member is unproven (nothing tells who is at fault) or a try is explained."""
+        culprits = [m for m in live_members if m in self.unproven]
+        if not culprits or len(culprits) == len(live_members) or not self.all_tries_unexplained(step):
+            return []
+        return culprits
+
+    def unreachable_culprit(self, step: int) -> str | None:
+        """The node to evict after every try of `step` failed unexplained: the one that what the members could
+        not connect to singles out (links.unreachable_node), or None."""
+        if not self.all_tries_unexplained(step):
+            return None
+        return unreachable_node(self._unexplained[step])
+
+    def ring(self, current: Sequence[str], bandwidth: Mapping[tuple[str, str], float],
+             reorder_gain: float) -> tuple[list[str], str | None]:
+        """The next view's ring, and why it is not `current` (None where it is), for the log.
+
+        `current` (the live members, the joiners appended) unless links of it are suspect (then the ring of the
+        fewest suspicions), or the measured bandwidths (`bandwidth[(from, to)]`, bytes/s) give a ring whose slowest
+        link is at least `reorder_gain` times faster; a suspect link counts as one of no bandwidth, so bandwidth
+        never brings it back."""
+        current = list(current)
+        if self.links.score(current):
+            order = self.links.ring(current)
+            if order == current:
+                return current, None
+            suspects = ", ".join(f"{'-'.join(sorted(link))} x{n}" for link, n in self.links.failures.items()
+                                 if link <= set(current))
+            return order, f"around links on which tries failed with every member alive ({suspects})"
+        if len(current) < 3 or not bandwidth:
+            return current, None
+        matrix = np.array([[0.0 if self.links.suspect(a, b) else bandwidth.get((a, b), 0.0) for b in current]
+                           for a in current])
+        order = best_ring(matrix)
+        gain = ring_bottleneck(matrix, order) / max(ring_bottleneck(matrix, range(len(current))), 1e-9)
+        if gain < reorder_gain:
+            return current, None
+        return [current[i] for i in order], f"for bandwidth (slowest link {gain:.1f}x faster)"

@@ -1,0 +1,84 @@
+"""openprime.mesh.blame: what unexplained failed tries lead the coordinator to do, without a coordinator."""
+
+from __future__ import annotations
+
+from openprime.mesh.blame import Blame
+from openprime.mesh.links import ring_links
+
+NODES = ["a", "b", "c", "d", "e"]
+
+
+def _fail_all(blame: Blame, step: int, ring: list[str], unreachable: set[tuple[str, str]] = frozenset()) -> None:
+    for _ in range(blame.num_tries):
+        blame.failed(step, ring, set(unreachable))
+
+
+def test_joiners_admitted_since_the_ring_worked_are_the_culprits_only_once_every_try_failed():
+    blame = Blame(num_tries=3)
+    blame.admitted(["e"])
+    blame.failed(7, NODES, set())
+    blame.failed(7, NODES, set())
+    assert blame.unproven_culprits(NODES, 7) == []  # a try left
+    blame.failed(7, NODES, set())
+    assert blame.unproven_culprits(NODES, 7) == ["e"]
+    assert blame.unproven_culprits(NODES, 8) == []  # another outer step's tries say nothing yet
+
+
+def test_nobody_is_a_culprit_when_every_member_is_unproven_or_the_ring_worked_since():
+    blame = Blame(num_tries=2)
+    blame.admitted(NODES)
+    _fail_all(blame, 0, NODES)
+    assert blame.unproven_culprits(NODES, 0) == []  # all new: nothing tells who is at fault
+    blame.admitted(["e"])
+    blame.applied(NODES, NODES)  # e took part in an applied all-reduce: proven
+    _fail_all(blame, 1, NODES)
+    assert blame.unproven_culprits(NODES, 1) == []
+
+
+def test_a_step_with_a_try_explained_by_a_lost_member_singles_out_nobody():
+    blame = Blame(num_tries=3)
+    blame.admitted(["e"])
+    # Only two tries failed with every member alive; the third was explained (the coordinator records nothing).
+    everyone_cut_off_from_e = {(m, "e") for m in NODES[:4]} | {("e", m) for m in NODES[:4]}
+    blame.failed(3, NODES, everyone_cut_off_from_e)
+    blame.failed(3, NODES, everyone_cut_off_from_e)
+    assert blame.unproven_culprits(NODES, 3) == [] and blame.unreachable_culprit(3) is None
+    blame.failed(3, NODES, everyone_cut_off_from_e)
+    assert blame.unreachable_culprit(3) == "e"
+
+
+def test_only_links_both_ends_reported_count_as_broken():
+    blame = Blame(num_tries=1)
+    # e closed its transport after aborting: the others' later connections to it were refused, one way only.
+    blame.failed(0, NODES, {(m, "e") for m in NODES[:4]})
+    assert blame.unreachable_culprit(0) is None
+
+
+def test_a_suspect_link_is_left_out_of_the_ring_and_bandwidth_never_brings_it_back():
+    blame = Blame(num_tries=3)
+    blame.failed(0, NODES, set())
+    fast = set(ring_links(NODES))
+    bandwidth = {(x, y): 1e9 if frozenset((x, y)) in fast else 1e6 for x in NODES for y in NODES if x != y}
+    order, why = blame.ring(NODES, bandwidth, reorder_gain=2.0)
+    assert why is not None and "with every member alive" in why
+    assert not set(ring_links(order)) & fast  # n = 5: the pentagram, none of the failed ring's links
+    blame.applied(order, order)  # the new ring worked: its links are trusted; the failed ring's stay suspect
+    order_after, why_after = blame.ring(order, bandwidth, reorder_gain=2.0)
+    assert (order_after, why_after) == (order, None)  # 1000x faster links, but suspect ones: no bandwidth
+    for x, y in fast:
+        blame.probed(x, y)  # probes moved data across them again
+    order_probed, why_probed = blame.ring(order, bandwidth, reorder_gain=2.0)
+    assert set(ring_links(order_probed)) == fast and why_probed.startswith("for bandwidth")
+
+
+def test_bandwidth_reorders_only_above_the_gain_and_forget_drops_a_nodes_links():
+    blame = Blame(num_tries=3)
+    ring = ["a", "b", "c", "d"]
+    bandwidth = {(x, y): 1e8 for x in ring for y in ring if x != y}
+    bandwidth[("a", "b")] = bandwidth[("b", "a")] = 6e7  # the current ring's slowest link: 1.67x slower
+    assert blame.ring(ring, bandwidth, reorder_gain=2.0) == (ring, None)
+    order, why = blame.ring(ring, bandwidth, reorder_gain=1.5)
+    assert frozenset(("a", "b")) not in ring_links(order) and "1.7x" in why
+    blame.failed(0, ring, set())
+    blame.forget("a")
+    assert blame.links.score(ring) == 2  # b-c and c-d stay suspect; a's two links went with it
