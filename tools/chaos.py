@@ -94,8 +94,9 @@ from openprime.core.errors import ConfigError
 from openprime.mesh import MeshConfig
 from openprime.train.config import RunConfig
 from openprime.train.data import prepare_data
-from openprime.train.launcher import Launcher, output_to, write_run_files
+from openprime.train.launcher import Launcher, write_run_files
 from openprime.train.metrics import METRICS_FILE, MetricsTail, read_records
+from openprime.train.processes import output_to
 from openprime.train.recipe import loaded_recipe_files, recipe_config
 from openprime.train.testing import free_port
 

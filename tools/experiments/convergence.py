@@ -66,9 +66,10 @@ import attrs
 
 from openprime.diloco import DiLoCoConfig, OuterLrSchedule, OuterOptimizer
 from openprime.train.data import prepare_data
-from openprime.train.launcher import Launcher, output_to, write_run_files
+from openprime.train.launcher import Launcher, write_run_files
 from openprime.train.metrics import METRICS_FILE, MetricsTail, human_bytes
 from openprime.train.model import count_parameters
+from openprime.train.processes import output_to
 from openprime.train.recipe import loaded_recipe_files, recipe_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

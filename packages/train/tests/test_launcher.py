@@ -10,7 +10,8 @@ import sys
 import threading
 import time
 
-from openprime.train.launcher import Launcher, NodeProcess, _stopped, dump_stacks, install_stack_dump, output_to
+from openprime.train.launcher import Launcher
+from openprime.train.processes import NodeProcess, dump_stacks, install_stack_dump, is_stopped, output_to
 from openprime.train.recipe import recipe_config
 from openprime.train.testing import process_ended
 
@@ -56,7 +57,7 @@ def test_a_stopped_process_is_not_asked_for_its_stacks(tmp_path, capsys):
         assert all(r.wait(30) for r in ready)
         os.kill(procs[1].pid, signal.SIGSTOP)
         deadline = time.monotonic() + 10
-        while not _stopped(procs[1].pid) and time.monotonic() < deadline:
+        while not is_stopped(procs[1].pid) and time.monotonic() < deadline:
             time.sleep(0.01)
         with output_to(log):
             asked = dump_stacks([(p.name, p.pid) for p in procs], settle_s=0.5)
@@ -110,7 +111,7 @@ def test_the_fork_servers_preload_does_not_touch_cuda():
 
 LAUNCH_AND_HANG = """
 import time
-from openprime.train.launcher import NodeProcess
+from openprime.train.processes import NodeProcess
 if __name__ == "__main__":
     node = NodeProcess(target=time.sleep, args=(120,), name="node-0")
     node.start()
