@@ -163,3 +163,25 @@ def test_a_node_whose_every_link_broke_is_evicted_and_the_others_sync_on():
     total = 1 + 2 + 4  # ranks 0, 1 and 3, plus one each
     assert [(s, v) for s, _, _, v in applied] == [(1, total * 2), (2, total * 3)]
     assert all(cut_off not in ring for _, _, ring, _ in applied)
+
+
+def test_a_broken_link_of_a_three_node_ring_skips_one_outer_step_then_its_newer_end_leaves():
+    # Three nodes have one ring, which holds the link whatever the order; both ends report the other, so neither is
+    # singled out. One outer step is skipped as a blip would be; the next fails the same way, and the end that
+    # joined last (node-2) leaves (blame.NUM_CUT_OFF_STEPS), so that node-0 and node-1 sync on instead of every
+    # outer step being skipped and the replicas drifting apart.
+    pytest.importorskip("openprime.transports.zmq")
+    cut = frozenset([frozenset(("node-0", "node-2"))])
+    coordinator = Coordinator(attrs.evolve(CONFIG, min_nodes=3)).start()
+    try:
+        results = run_group(3, _node, factory=None, args=(coordinator.address, "zmq", cut, 4), timeout_s=120)
+    finally:
+        coordinator.stop()
+    assert results[0] == results[1], results
+    assert coordinator.evictions[:1] == ["node-2"]  # then the deathrattles of the end
+    assert [(s, a) for s, a, *_ in results[2]] == [(0, None), ("evicted", 1)], results[2]
+    (step0, tried0, ring0, _), (step1, tried1, ring1, _), *applied = results[0]
+    assert (step0, tried0, len(ring0)) == (0, None, 3)  # skipped with all three
+    assert (step1, tried1, ring1) == (1, None, ["node-0", "node-1"])  # skipped once more, node-2 gone
+    assert [(s, ring, v) for s, _, ring, v in applied] == [(2, ["node-0", "node-1"], 3.0 * 3),
+                                                          (3, ["node-0", "node-1"], 3.0 * 4)]

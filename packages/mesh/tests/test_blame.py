@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from openprime.mesh.blame import Blame
+from openprime.mesh.blame import NUM_CUT_OFF_STEPS, Blame, Culprit
 from openprime.mesh.links import ring_links
 
 NODES = ["a", "b", "c", "d", "e"]
@@ -42,16 +42,16 @@ def test_a_step_with_a_try_explained_by_a_lost_member_singles_out_nobody():
     everyone_cut_off_from_e = {(m, "e") for m in NODES[:4]} | {("e", m) for m in NODES[:4]}
     blame.failed(3, NODES, everyone_cut_off_from_e)
     blame.failed(3, NODES, everyone_cut_off_from_e)
-    assert blame.unproven_culprits(NODES, 3) == [] and blame.unreachable_culprit(3) is None
+    assert blame.unproven_culprits(NODES, 3) == [] and blame.unreachable_culprit(3, NODES) is None
     blame.failed(3, NODES, everyone_cut_off_from_e)
-    assert blame.unreachable_culprit(3) == "e"
+    assert blame.unreachable_culprit(3, NODES) == Culprit(node="e", unreached=("a", "b", "c", "d"), steps=(3,))
 
 
 def test_only_links_both_ends_reported_count_as_broken():
     blame = Blame(num_tries=1)
     # e closed its transport after aborting: the others' later connections to it were refused, one way only.
     blame.failed(0, NODES, {(m, "e") for m in NODES[:4]})
-    assert blame.unreachable_culprit(0) is None
+    assert blame.unreachable_culprit(0, NODES) is None
 
 
 def test_a_suspect_link_is_left_out_of_the_ring_and_bandwidth_never_brings_it_back():
@@ -82,3 +82,55 @@ def test_bandwidth_reorders_only_above_the_gain_and_forget_drops_a_nodes_links()
     blame.failed(0, ring, set())
     blame.forget("a")
     assert blame.links.score(ring) == 2  # b-c and c-d stay suspect; a's two links went with it
+
+
+def _both_ways(*links: tuple[str, str]) -> set[tuple[str, str]]:
+    return {p for a, b in links for p in ((a, b), (b, a))}
+
+
+def test_one_end_of_a_link_no_ring_avoids_leaves_once_outer_steps_in_a_row_failed_over_it():
+    # Three nodes have one ring: a broken link fails every try. One outer step skipped is a blip; after
+    # NUM_CUT_OFF_STEPS in a row, the end that joined last leaves (members are given oldest joiner first).
+    assert NUM_CUT_OFF_STEPS == 2
+    blame, three = Blame(num_tries=2), ["a", "b", "c"]
+    _fail_all(blame, 4, three, _both_ways(("a", "c")))
+    assert blame.unreachable_culprit(4, three) is None
+    _fail_all(blame, 5, three, _both_ways(("a", "c")))
+    assert blame.unreachable_culprit(5, three) == Culprit(node="c", unreached=("a",), steps=(4, 5))
+    assert blame.unreachable_culprit(5, ["c", "b", "a"]).node == "a"  # a joined last
+
+
+def test_steps_not_in_a_row_or_another_link_each_time_or_an_avoidable_link_evict_nobody():
+    three = ["a", "b", "c"]
+    blame = Blame(num_tries=2)
+    _fail_all(blame, 4, three, _both_ways(("a", "c")))
+    _fail_all(blame, 6, three, _both_ways(("a", "c")))  # step 5 was applied (or failed otherwise)
+    assert blame.unreachable_culprit(6, three) is None
+    blame = Blame(num_tries=2)
+    _fail_all(blame, 4, three, _both_ways(("a", "c")))
+    _fail_all(blame, 5, three, _both_ways(("b", "c")))  # no link broken in every try: a flapping network
+    assert blame.unreachable_culprit(5, three) is None
+    blame = Blame(num_tries=2)
+    _fail_all(blame, 4, three, set())  # Gloo reports nobody: nothing to go on
+    _fail_all(blame, 5, three, set())
+    assert blame.unreachable_culprit(5, three) is None
+    # Four nodes: some ring avoids one broken link (the next try takes it), so nobody leaves for it.
+    blame, four = Blame(num_tries=2), ["a", "b", "c", "d"]
+    _fail_all(blame, 4, four, _both_ways(("a", "b")))
+    _fail_all(blame, 5, four, _both_ways(("a", "b")))
+    assert blame.unreachable_culprit(5, four) is None
+
+
+def test_two_sites_cut_apart_keep_the_larger_one_its_other_nodes_leaving_one_step_at_a_time():
+    # Sites {a, b} and {c, d, e}: every ring crosses between them twice. Each of a and b is on 3 broken links,
+    # each of c, d, e on 2: b (the newer of a and b) leaves first, though a and b joined first; then a is singled
+    # out by unreachable_node.
+    blame, nodes = Blame(num_tries=2), ["a", "b", "c", "d", "e"]
+    cut = _both_ways(*[(x, y) for x in "ab" for y in "cde"])
+    _fail_all(blame, 1, nodes, cut)
+    _fail_all(blame, 2, nodes, cut)
+    assert blame.unreachable_culprit(2, nodes) == Culprit(node="b", unreached=("c", "d", "e"), steps=(1, 2))
+    blame.forget("b")
+    rest = ["a", "c", "d", "e"]
+    _fail_all(blame, 3, rest, {p for p in cut if "b" not in p})
+    assert blame.unreachable_culprit(3, rest) == Culprit(node="a", unreached=("c", "d", "e"), steps=(3,))

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from openprime.mesh.links import EXACT_MAX_NODES, LinkSuspicion, ring_links, unreachable_node
+from openprime.mesh.links import EXACT_MAX_NODES, LinkSuspicion, cut_off_node, ring_links, unreachable_node
 
 
 def _nodes(n):
@@ -104,3 +104,14 @@ def test_a_broken_link_or_a_try_s_noise_singles_out_nobody():
     assert unreachable_node([_reports(("x", "a"), ("x", "b")), set()]) is None  # a try failed for another reason
     assert unreachable_node([_reports(("x", "a"), ("x", "b"), ("y", "c"), ("y", "d"))]) is None  # two as bad
     assert unreachable_node([]) is None
+
+
+def test_one_end_of_a_link_that_no_ring_avoids_is_cut_off_the_newest_on_a_tie():
+    ab, bc = frozenset("ab"), frozenset("bc")
+    assert cut_off_node([{ab}, {ab}], ["a", "b"]) == "b"  # two nodes: the newer leaves, the older trains on
+    assert cut_off_node([{ab}, {ab}], ["b", "a"]) == "a"
+    assert cut_off_node([{ab, bc}, {ab, bc}], ["b", "a", "c"]) == "b"  # on two broken links, though the oldest
+    assert cut_off_node([{ab}, {bc}], ["a", "b", "c"]) is None  # broken in one try each: noise
+    assert cut_off_node([{ab}, {ab}], ["a", "b", "c", "d"]) is None  # a ring of four goes round one link
+    assert cut_off_node([{ab}, {ab}], ["a", "c", "d"]) is None  # b left: its link with it
+    assert cut_off_node([], ["a", "b"]) is None

@@ -9,7 +9,10 @@ exchange data with another one. The coordinator learns three things from such tr
   (`unproven`): if every try of an outer step fails after their admission, they are what changed, and are
   refused;
 - the links both of whose ends reported they could not connect over them (`Transport.unreachable`): a node
-  that these single out over every try of an outer step (links.unreachable_node) is evicted.
+  that these single out over every try of an outer step (links.unreachable_node) is evicted; so is one end of
+  links that no ring avoids, once `NUM_CUT_OFF_STEPS` outer steps in a row failed on every try over them
+  (links.cut_off_node: 3 nodes or fewer, two sites cut apart), since every outer step of the rest of the run
+  would be skipped and the replicas would drift apart.
 An applied all-reduce proves its members and its ring's links; a bandwidth probe that moved data proves its
 link. The coordinator asks, once an outer step has failed on all `num_tries` tries, whom to refuse or evict
 (it does so and words the log); this module only remembers and decides.
@@ -19,12 +22,28 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import attrs
 import numpy as np
 
-from openprime.mesh.links import LinkSuspicion, ring_links, unreachable_node
+from openprime.mesh.links import LinkSuspicion, cut_off_node, ring_links, unreachable_node
 from openprime.mesh.ring_order import best_ring, ring_bottleneck
 
-__all__ = ["Blame"]
+__all__ = ["NUM_CUT_OFF_STEPS", "Blame", "Culprit"]
+
+#: Outer steps in a row that must fail on every try over the same broken links, which no ring avoids, before one
+#: end of them is evicted. One is a blip (a route that flapped): the step is skipped and the next one tries again.
+#: Two cost two skipped outer steps, where an eviction costs the evicted node a state transfer (30-60 minutes for
+#: INTELLECT-1's 10B model) when it rejoins.
+NUM_CUT_OFF_STEPS = 2
+
+
+@attrs.frozen(kw_only=True)
+class Culprit:
+    """A node to evict because the others cannot exchange data with it."""
+
+    node: str  #: the node
+    unreached: tuple[str, ...]  #: the members it and they could not connect to each other
+    steps: tuple[int, ...]  #: the outer steps whose every try failed so (more than one: links.cut_off_node)
 
 
 class Blame:
@@ -36,7 +55,7 @@ class Blame:
         # Nodes admitted into a running ring that have not yet been members of an applied all-reduce.
         self.unproven: set[str] = set()
         # Outer step -> its tries that failed with every member alive, each as the links both of whose ends
-        # reported that they could not connect over it. Only the newest step is kept.
+        # reported that they could not connect over it. The newest NUM_CUT_OFF_STEPS steps are kept.
         self._unexplained: dict[int, list[set[frozenset[str]]]] = {}
 
     # ------------------------------------------------------------------ what happened
@@ -61,7 +80,8 @@ class Blame:
         own connections were made or given up."""
         self.links.failed(ring)  # a link of its ring, perhaps: the next view's ring avoids them
         broken = {frozenset(p) for p in unreachable if (p[1], p[0]) in unreachable}
-        self._unexplained = {step: [*self._unexplained.get(step, []), broken]}
+        kept = {s: tries for s, tries in self._unexplained.items() if step - NUM_CUT_OFF_STEPS < s < step}
+        self._unexplained = {**kept, step: [*self._unexplained.get(step, []), broken]}
 
     def forget(self, node: str) -> None:
         """The node left the run (removed or refused): it comes back, if at all, as a new node."""
@@ -82,12 +102,28 @@ class Blame:
             return []
         return culprits
 
-    def unreachable_culprit(self, step: int) -> str | None:
-        """The node to evict after every try of `step` failed unexplained: the one that what the members could
-        not connect to singles out (links.unreachable_node), or None."""
+    def unreachable_culprit(self, step: int, members: Sequence[str]) -> Culprit | None:
+        """The node to evict after every try of `step` failed unexplained, and the members it could not reach; None
+        if nobody is to be. `members`: the live members, oldest joiner first. The node that what the members could
+        not connect to singles out (links.unreachable_node); else, once the `NUM_CUT_OFF_STEPS` outer steps up to
+        `step` all failed so, one end of the links broken in every try of them that no ring avoids
+        (links.cut_off_node)."""
         if not self.all_tries_unexplained(step):
             return None
-        return unreachable_node(self._unexplained[step])
+        tries = self._unexplained[step]
+        node = unreachable_node(tries)
+        if node is not None:  # the members it could not reach, in any try
+            unreached = {peer for broken in tries for link in broken if node in link for peer in link} - {node}
+            return Culprit(node=node, unreached=tuple(sorted(unreached)), steps=(step,))
+        steps = range(step - NUM_CUT_OFF_STEPS + 1, step + 1)
+        if not all(self.all_tries_unexplained(s) for s in steps):
+            return None
+        tries = [broken for s in steps for broken in self._unexplained[s]]
+        node = cut_off_node(tries, members)
+        if node is None:
+            return None
+        unreached = {peer for link in set.intersection(*tries) if node in link for peer in link} - {node}
+        return Culprit(node=node, unreached=tuple(sorted(unreached)), steps=tuple(steps))
 
     def ring(self, current: Sequence[str], bandwidth: Mapping[tuple[str, str], float],
              reorder_gain: float) -> tuple[list[str], str | None]:

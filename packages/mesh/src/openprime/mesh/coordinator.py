@@ -16,6 +16,8 @@ What it decides, on one thread, between messages:
 - the ring order: the current one, unless a try failed with every member alive (then the ring of the fewest
   links on such failed rings, links.py: a link broken between two members is left out) or the measured
   bandwidths give a much faster ring;
+- after an outer step failed on every try with every member alive (blame.py): refusing the joiners admitted since
+  the ring last worked, or evicting the node nobody could connect to, or one end of links that no ring avoids;
 - the commit of each all-reduce: apply only if every member of the view reported success, else every
   survivor retries (so no node ever applies a result another node did not get); a try that can no
   longer be applied (a member removed, or one reporting failure) is marked doomed in the store at once,
@@ -416,7 +418,7 @@ class Coordinator:
         step = max(a["step"] for a in arrivals)
         attempt = max(a["attempt"] for a in arrivals if a["step"] == step)
         if attempt >= self.config.num_all_reduce_tries and (self._refuse_unproven(live_members, step)
-                                                             or self._evict_unreachable(step)):
+                                                             or self._evict_unreachable(live_members, step)):
             live_members = [m for m in live_members if m in self.nodes]
         if live_members:
             self._refuse_ahead(joiners, step)
@@ -526,18 +528,26 @@ class Coordinator:
         self._refuse_at_barrier(culprits, reason)
         return True
 
-    def _evict_unreachable(self, step: int) -> bool:
+    def _evict_unreachable(self, live_members: list[str], step: int) -> bool:
         """The outer step failed on every try with every member alive, and what the members could not connect to
-        singles out one node (blame.py: its links broke, or its address, port or firewall changed): evict it, so
-        that the others sync again. Returns whether one was."""
-        culprit = self.blame.unreachable_culprit(step)
-        if culprit is None or culprit not in self.nodes:
+        singles out one node (its links broke, or its address, port or firewall changed), or one end of links that
+        no ring avoids broke for outer steps in a row (blame.py): evict it, so that the others sync again. Returns
+        whether one was."""
+        culprit = self.blame.unreachable_culprit(step, sorted(live_members, key=lambda m: self.nodes[m].joined_at))
+        if culprit is None or culprit.node not in self.nodes:
             return False
+        everyone = set(culprit.unreached) == set(live_members) - {culprit.node}
+        who = "the other members" if everyone else ", ".join(culprit.unreached)
         tries = self.config.num_all_reduce_tries
-        self._remove(culprit, f"no connection between it and the other members on all {tries} tries of outer step "
-                              f"{step}, whatever the ring order. Check that the other machines can reach this one at "
-                              f"its transport address (transport.options.hostname, its ports, firewalls, NAT). It "
-                              f"rejoins as a new node")
+        steps = " and ".join(map(str, culprit.steps))
+        why = (", whatever the ring order" if len(culprit.steps) == 1 else
+               f", and no ring of the {len(live_members)} members goes round that: one end leaves, the one that joined "
+               f"last, so that the others sync again (else every outer step of the run would be skipped and the "
+               f"replicas would drift apart)")
+        self._remove(culprit.node, f"no connection between it and {who} on all {tries} tries of outer step"
+                                   f"{'s' if len(culprit.steps) > 1 else ''} {steps}{why}. Check that the other "
+                                   f"machines can reach this one at its transport address (transport.options.hostname, "
+                                   f"its ports, firewalls, NAT). It rejoins as a new node")
         return True
 
     def _evict_silent_committee(self, committee: Committee, now: float) -> None:

@@ -19,7 +19,7 @@ order and its groups). One broken link then costs:
 - n >= 5: a ring that shares no link with the failed one exists, so the first retry avoids the broken link
   (n = 5: the links the failed ring did not use form another ring, the pentagram; n >= 6: Dirac's theorem,
   every node keeps n - 3 >= n/2 of its n - 1 links).
-- n <= 3: there is only one ring; failed tries skip the step, as before.
+- n <= 3: there is only one ring; failed tries skip the step, and `cut_off_node` (below) ends it.
 A node all of whose links broke is on every ring with two of them: ordering cannot avoid it, and these
 counts cannot find it (every ring holds every node twice, so every node is as suspect as any other). What
 finds it is what the members say when a try fails: the members their transports could not connect to
@@ -32,6 +32,15 @@ the outer step has failed on all its tries (it rejoins as a new node, and is ref
 the ring). A single broken link names two nodes, each paired with one: nobody is singled out, and the
 ring goes round it.
 
+Where no ring goes round the broken links (3 nodes or fewer, which have one ring; two sites that cannot reach
+each other, every ring crossing between them twice), every outer step would be skipped for the rest of the run
+and the replicas would drift apart. `cut_off_node` names one end of them to leave: once outer steps in a row
+(blame.py) have failed on all their tries over the same links, broken both ways in every try, and no ring of
+the members avoids them all, the node on the most of those links, the newest of them on a tie. Of two sites,
+the smaller one's nodes are on more of the broken links, and leave one an outer step (the larger site goes on;
+of equal ones, the site of the newest node leaves). The node rejoins as a new node; if the link is still broken,
+it is refused as a joiner that breaks a ring that worked without it, with the way to check it.
+
 For up to `EXACT_MAX_NODES` nodes every ring is scored; above, a 2-opt search from the current order
 (reverse a stretch of the ring while that lowers the sum) finds a ring of few suspicions.
 """
@@ -41,7 +50,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Sequence
 
-__all__ = ["EXACT_MAX_NODES", "LinkSuspicion", "ring_links", "unreachable_node"]
+__all__ = ["EXACT_MAX_NODES", "LinkSuspicion", "cut_off_node", "ring_links", "unreachable_node"]
 
 #: Up to this many nodes every ring is scored: (n - 1)! orders, 5040 at 8 nodes (about 20 ms).
 EXACT_MAX_NODES = 8
@@ -151,3 +160,24 @@ def unreachable_node(tries: Sequence[set[frozenset[str]]]) -> str | None:
     if len(ranked) > 1 and len(partners[ranked[1]]) == len(partners[best]):
         return None
     return best
+
+
+def cut_off_node(tries: Sequence[set[frozenset[str]]], members: Sequence[str]) -> str | None:
+    """One end of the links broken in every one of `tries` that no ring of `members` avoids, or None.
+
+    `tries`: per failed try, its broken links (both ends reported the other unreachable). `members`: oldest joiner
+    first. None when no link was broken in every try (one try's noise), or when some ring of the members uses none of
+    those links (the next try's ring goes round them: LinkSuspicion). Otherwise the node on the most of them, the
+    newest member on a tie.
+    """
+    if not tries:
+        return None
+    broken = {link for link in set.intersection(*map(set, tries)) if link <= set(members)}
+    if not broken:
+        return None
+    avoid = LinkSuspicion()
+    avoid.failures = dict.fromkeys(broken, 1)
+    if avoid.score(avoid.ring(members)) == 0:
+        return None
+    on_links = {node: sum(node in link for link in broken) for node in members}
+    return max(reversed(members), key=lambda node: on_links[node])  # max keeps the first of equals: the newest
