@@ -564,6 +564,22 @@ def test_a_link_that_breaks_between_two_members_is_left_out_of_the_ring_and_the_
         coordinator.stop()
 
 
+def _fail_every_try(clients, step, num_tries, unreachable):
+    """Every try of `step` fails, each client reporting the nodes `unreachable(client)`; then the barrier after the
+    last try: each client's view, or the Evicted it got."""
+    for attempt in range(num_tries):
+        assert not any(v.skip for v in run_threads([lambda c=c, a=attempt: c.sync(step, a) for c in clients]))
+        run_threads([lambda c=c, a=attempt: c.commit(step, a, False, unreachable=unreachable(c)) for c in clients])
+
+    def last_sync(c):
+        try:
+            return c.sync(step, num_tries)
+        except Evicted as e:
+            return e
+
+    return run_threads([lambda c=c: last_sync(c) for c in clients])
+
+
 def test_a_member_that_nobody_can_connect_to_is_evicted_once_its_outer_step_failed_on_every_try(caplog):
     # Its links all broke (its firewall, address or port changed mid-run): every ring holds two of them, so no
     # order helps. The members' reports of whom they could not connect to single it out (links.unreachable_node).
@@ -573,19 +589,10 @@ def test_a_member_that_nobody_can_connect_to_is_evicted_once_its_outer_step_fail
     try:
         assert len(_one_outer_step(clients, 0, broken=())) == 1
         cut_off = clients[2]
-        for attempt in range(config.num_all_reduce_tries):
-            run_threads([lambda c=c, a=attempt: c.sync(1, a) for c in clients])
-            run_threads([lambda c=c, a=attempt: c.commit(1, a, False, unreachable=(
-                [o.node for o in clients if o is not c] if c is cut_off else [cut_off.node])) for c in clients])
         survivors = [c for c in clients if c is not cut_off]
-
-        def last_sync(c):
-            try:
-                return c.sync(1, config.num_all_reduce_tries)
-            except Evicted as e:
-                return e
-
-        *views, evicted = run_threads([lambda c=c: last_sync(c) for c in [*survivors, cut_off]])
+        *views, evicted = _fail_every_try(
+            [*survivors, cut_off], 1, config.num_all_reduce_tries,
+            lambda c: [o.node for o in clients if o is not c] if c is cut_off else [cut_off.node])
         assert isinstance(evicted, Evicted), evicted
         assert all(v.skip and cut_off.node not in v.members for v in views), views  # the step is skipped once
         assert coordinator.evictions == [cut_off.node]
@@ -609,18 +616,9 @@ def test_a_broken_link_between_two_of_three_members_skips_one_outer_step_then_it
         _one_outer_step(clients, 0, broken=())
         tried = _one_outer_step(clients, 1, broken=("node-0", "node-2"))
         assert len(tried) == 4 and tried[-1].skip and len(tried[-1].members) == 3 and not coordinator.evictions
-        for attempt in range(config.num_all_reduce_tries):  # outer step 2 fails on every try over the same link
-            assert not any(v.skip for v in run_threads([lambda c=c, a=attempt: c.sync(2, a) for c in clients]))
-            run_threads([lambda c=c, a=attempt: c.commit(2, a, False, unreachable=(
-                {"node-0": ["node-2"], "node-2": ["node-0"]}.get(c.node, []))) for c in clients])
-
-        def last_sync(c):
-            try:
-                return c.sync(2, config.num_all_reduce_tries)
-            except Evicted as e:
-                return e
-
-        *views, evicted = run_threads([lambda c=c: last_sync(c) for c in clients])
+        # Outer step 2 fails on every try over the same link.
+        *views, evicted = _fail_every_try(clients, 2, config.num_all_reduce_tries,
+                                          lambda c: {"node-0": ["node-2"], "node-2": ["node-0"]}.get(c.node, []))
         assert isinstance(evicted, Evicted), evicted
         assert all(v.skip and v.members == ("node-0", "node-1") for v in views), views
         assert coordinator.evictions == ["node-2"]
