@@ -80,18 +80,20 @@ def _admit(coordinator, clients, step):
     return late
 
 
-def _fail_every_try(clients, step):
-    """Every try of `step` fails on every node (num_all_reduce_tries=2); returns the views of the last barrier, where
-    a client that was refused there gets its JoinRefused instead of a view."""
-    for attempt in range(FAST.num_all_reduce_tries):
-        run_threads([lambda c=c, a=attempt: c.commit(step, a, False) for c in clients])
-        if attempt + 1 < FAST.num_all_reduce_tries:
-            run_threads([lambda c=c, a=attempt + 1: c.sync(step, a) for c in clients])
+def _fail_every_try(clients, step, *, num_tries=FAST.num_all_reduce_tries, unreachable=lambda client: []):
+    """Every try of `step` fails on every node, each reporting the nodes `unreachable(client)` (the clients are at the
+    barrier of the first try, its view given); returns the views of the barrier after the last try, where a client
+    that was refused or evicted there gets its JoinRefused or Evicted instead of a view."""
+    for attempt in range(num_tries):
+        run_threads([lambda c=c, a=attempt: c.commit(step, a, False, unreachable=unreachable(c)) for c in clients])
+        if attempt + 1 < num_tries:
+            views = run_threads([lambda c=c, a=attempt + 1: c.sync(step, a) for c in clients])
+            assert not any(v.skip for v in views), views
 
     def last_sync(c):
         try:
-            return c.sync(step, FAST.num_all_reduce_tries)
-        except JoinRefused as e:
+            return c.sync(step, num_tries)
+        except (JoinRefused, Evicted) as e:
             return e
 
     return run_threads([lambda c=c: last_sync(c) for c in clients])
@@ -564,22 +566,6 @@ def test_a_link_that_breaks_between_two_members_is_left_out_of_the_ring_and_the_
         coordinator.stop()
 
 
-def _fail_every_try(clients, step, num_tries, unreachable):
-    """Every try of `step` fails, each client reporting the nodes `unreachable(client)`; then the barrier after the
-    last try: each client's view, or the Evicted it got."""
-    for attempt in range(num_tries):
-        assert not any(v.skip for v in run_threads([lambda c=c, a=attempt: c.sync(step, a) for c in clients]))
-        run_threads([lambda c=c, a=attempt: c.commit(step, a, False, unreachable=unreachable(c)) for c in clients])
-
-    def last_sync(c):
-        try:
-            return c.sync(step, num_tries)
-        except Evicted as e:
-            return e
-
-    return run_threads([lambda c=c: last_sync(c) for c in clients])
-
-
 def test_a_member_that_nobody_can_connect_to_is_evicted_once_its_outer_step_failed_on_every_try(caplog):
     # Its links all broke (its firewall, address or port changed mid-run): every ring holds two of them, so no
     # order helps. The members' reports of whom they could not connect to single it out (links.unreachable_node).
@@ -590,9 +576,10 @@ def test_a_member_that_nobody_can_connect_to_is_evicted_once_its_outer_step_fail
         assert len(_one_outer_step(clients, 0, broken=())) == 1
         cut_off = clients[2]
         survivors = [c for c in clients if c is not cut_off]
+        run_threads([lambda c=c: c.sync(1) for c in clients])
         *views, evicted = _fail_every_try(
-            [*survivors, cut_off], 1, config.num_all_reduce_tries,
-            lambda c: [o.node for o in clients if o is not c] if c is cut_off else [cut_off.node])
+            [*survivors, cut_off], 1, num_tries=config.num_all_reduce_tries,
+            unreachable=lambda c: [o.node for o in clients if o is not c] if c is cut_off else [cut_off.node])
         assert isinstance(evicted, Evicted), evicted
         assert all(v.skip and cut_off.node not in v.members for v in views), views  # the step is skipped once
         assert coordinator.evictions == [cut_off.node]
@@ -617,14 +604,26 @@ def test_a_broken_link_between_two_of_three_members_skips_one_outer_step_then_it
         tried = _one_outer_step(clients, 1, broken=("node-0", "node-2"))
         assert len(tried) == 4 and tried[-1].skip and len(tried[-1].members) == 3 and not coordinator.evictions
         # Outer step 2 fails on every try over the same link.
-        *views, evicted = _fail_every_try(clients, 2, config.num_all_reduce_tries,
-                                          lambda c: {"node-0": ["node-2"], "node-2": ["node-0"]}.get(c.node, []))
+        ends = {"node-0": ["node-2"], "node-2": ["node-0"]}
+        run_threads([lambda c=c: c.sync(2) for c in clients])
+        *views, evicted = _fail_every_try(clients, 2, num_tries=config.num_all_reduce_tries,
+                                          unreachable=lambda c: ends.get(c.node, []))
         assert isinstance(evicted, Evicted), evicted
         assert all(v.skip and v.members == ("node-0", "node-1") for v in views), views
         assert coordinator.evictions == ["node-2"]
         assert ("no connection between it and node-0 on all 3 tries of outer steps 1 and 2, and no ring of the 3 "
                 "members goes round that" in caplog.text)
         assert len(_one_outer_step(clients[:2], 3, broken=())) == 1  # the two sync on
+        # It rejoins as a new node ("late") while the link is still broken: admitted into a ring that worked without
+        # it, it is what changed when every try fails, and it is refused with the way to check it.
+        late = _admit(coordinator, clients[:2], 4)
+        clients.append(late)
+        ends = {"node-0": ["late"], "late": ["node-0"]}
+        *views, refused = _fail_every_try([*clients[:2], late], 4, num_tries=config.num_all_reduce_tries,
+                                          unreachable=lambda c: ends.get(c.node, []))
+        assert isinstance(refused, JoinRefused) and "after this node was admitted" in str(refused), refused
+        assert all(v.skip and v.members == ("node-0", "node-1") for v in views), views
+        assert len(_one_outer_step(clients[:2], 5, broken=())) == 1
     finally:
         _close(clients)
         coordinator.stop()
