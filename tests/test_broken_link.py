@@ -9,6 +9,7 @@ ring whose neighbours reach each other is whole. (Gloo builds a full mesh, so on
 whatever the order.)
 """
 
+import pathlib
 import socket
 import time
 from collections.abc import Callable
@@ -185,3 +186,90 @@ def test_a_broken_link_of_a_three_node_ring_skips_one_outer_step_then_its_newer_
     assert (step1, tried1, ring1) == (1, None, ["node-0", "node-1"])  # skipped once more, node-2 gone
     assert [(s, ring, v) for s, _, ring, v in applied] == [(2, ["node-0", "node-1"], 3.0 * 3),
                                                           (3, ["node-0", "node-1"], 3.0 * 4)]
+
+
+STATE_TAG = 7_777  # the donor's "state" message, apart from the all-reduce's tags
+
+
+def _joiner_or_member(_transport, ctx, address: str, kind: str, cut: frozenset[frozenset[str]], flag: str):
+    """Ranks below the last are members from outer step 0; the last joins once outer step 0 was applied and takes
+    a "state" (a tensor of 42s) from the view's donor, as live recovery does, directly over the try's transport.
+    Per applied or skipped outer step: (step, try applied or None, ring, sum, donor); the joiner's last entry is
+    the state it received."""
+    node, late = f"node-{ctx.rank}", ctx.rank == ctx.world_size - 1
+    client = MeshClient(address, CONFIG, node_id=node)
+    if late:
+        deadline = time.monotonic() + 60
+        while not pathlib.Path(flag).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    client.join(slot=ctx.rank)
+    views = []
+
+    def factory(rendezvous, rank, world_size):
+        return firewalled(rendezvous, rank, world_size, kind=kind, node=node, cut=cut,
+                          members=lambda: views[0].view.members)
+
+    mesh = ElasticDeviceMesh(client, run_id=CONFIG.run_id, abort_poll_s=CONFIG.abort_poll_s, connect_timeout_s=10.0,
+                             transport_factory=factory)
+    views.append(mesh)
+    state = torch.full((NUMEL,), -1.0 if late else 42.0)
+    has_state, applied, step = not late, [], 0
+    try:
+        while step < 3:
+            for attempt in range(CONFIG.num_all_reduce_tries + 1):
+                if ctx.rank == 0 and step == 1 and attempt == 0:  # hold the barrier until the joiner waits at it
+                    while f"node-{ctx.world_size - 1}" not in client.status()["waiting"]:
+                        time.sleep(0.02)
+                rnd = mesh.begin(step, attempt, state_hash="the state" if has_state else None, hash_step=step - 1)
+                step = rnd.step
+                donor = mesh.view.members[rnd.donor_rank] if rnd.new_ranks else None
+                if rnd.skip:
+                    applied.append((step, None, list(mesh.view.members), None, donor))
+                    break
+                t = rnd.transport
+                try:
+                    if t.rank == rnd.donor_rank:
+                        for r in rnd.new_ranks:
+                            t.isend(r, STATE_TAG, [state], deadline=time.monotonic() + 20).wait()
+                    elif t.rank in rnd.new_ranks:
+                        t.irecv(rnd.donor_rank, STATE_TAG, [state], deadline=time.monotonic() + 20).wait()
+                    values = torch.full((NUMEL,), float((ctx.rank + 1) * (step + 1)))
+                    ring_all_reduce(t, values, deadline=time.monotonic() + 20)
+                    ok = bool((values == values[0]).all())
+                except PeerFailure:
+                    ok = False
+                if mesh.commit(step, attempt, ok):
+                    has_state = True
+                    applied.append((step, attempt, list(mesh.view.members), float(values[0]), donor))
+                    break
+            if ctx.rank == 0 and step == 0:
+                pathlib.Path(flag).touch()
+            step += 1
+    finally:
+        mesh.close()
+    return [*applied, ("state", float(state[0]))] if late else applied
+
+
+def test_a_joiner_cut_off_from_the_first_holder_takes_the_state_from_another_and_the_step_is_applied(tmp_path):
+    # The state goes from the donor to the joiner directly, whatever the ring. The joiner (node-4) and the first
+    # holder (node-0) refuse each other's connections: the first try fails, both report the link, and the retry's
+    # view names a donor the joiner reaches (blame.donor) on a ring that avoids the link. Before, the donor was
+    # always the first holder: every try failed, and the joiner was refused as one that breaks the ring.
+    pytest.importorskip("openprime.transports.tcp")
+    num_nodes, cut = 5, frozenset([frozenset(("node-0", "node-4"))])
+    coordinator = Coordinator(attrs.evolve(CONFIG, min_nodes=num_nodes - 1)).start()
+    try:
+        results = run_group(num_nodes, _joiner_or_member, factory=None, timeout_s=120,
+                            args=(coordinator.address, "tcp", cut, str(tmp_path / "step-0-applied")))
+    finally:
+        coordinator.stop()
+    members, joiner = results[:-1], results[-1]
+    assert all(r == members[0] for r in members), members
+    assert joiner[-1] == ("state", 42.0)
+    step0, admitted, step2 = members[0]
+    assert step0[:2] == (0, 0) and "node-4" not in step0[2]
+    step, attempt, ring, value, donor = admitted
+    assert (step, attempt) == (1, 1), admitted  # the first retry
+    assert donor != "node-0" and donor == next(m for m in ring if m not in ("node-0", "node-4"))
+    assert cut.isdisjoint(ring_links(ring)) and value == 15 * 2  # (1 + 2 + 3 + 4 + 5) x (step + 1)
+    assert joiner[:-1] == [admitted, step2] and step2[:2] == (2, 0) and step2[3] == 15 * 3

@@ -134,3 +134,19 @@ def test_two_sites_cut_apart_keep_the_larger_one_its_other_nodes_leaving_one_ste
     rest = ["a", "c", "d", "e"]
     _fail_all(blame, 3, rest, {p for p in cut if "b" not in p})
     assert blame.unreachable_culprit(3, rest) == Culprit(node="a", unreached=("c", "d", "e"), steps=(3,))
+
+
+def test_the_donor_is_the_first_holder_whose_link_to_the_new_nodes_was_not_reported_broken():
+    blame, holders = Blame(num_tries=3), ["a", "b", "c"]
+    assert blame.donor(holders, []) is None and blame.donor([], ["j"]) is None
+    assert blame.donor(holders, ["j"]) == "a"
+    blame.failed(7, [*holders, "j"], _both_ways(("a", "j")))  # the joiner and the first holder cannot connect
+    assert blame.donor(holders, ["j"]) == "b"
+    assert blame.donor(holders, ["k"]) == "a"  # another joiner: a reaches it
+    blame.failed(7, [*holders, "j", "k"], _both_ways(("a", "j"), ("b", "k")))
+    assert blame.donor(holders, ["j", "k"]) == "c"  # one donor serves every new node
+    blame.failed(7, [*holders, "j"], _both_ways(("a", "j"), ("b", "j"), ("c", "j")))
+    assert blame.donor(holders, ["j"]) == "a"  # nobody reaches it: the first, as before (it is refused later)
+    blame = Blame(num_tries=3)
+    blame.failed(7, [*holders, "j"], {("a", "j")})  # reported by one end only: noise, as everywhere else
+    assert blame.donor(holders, ["j"]) == "a"

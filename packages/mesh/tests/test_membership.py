@@ -116,6 +116,26 @@ def test_a_joiner_after_whose_admission_every_try_fails_is_refused_and_the_run_g
     _close([*clients, late])
 
 
+def test_a_joiner_cut_off_from_the_first_holder_takes_the_state_from_another_at_the_retry(coordinator):
+    # The state goes from the donor to the joiner directly, whatever the ring. Both ends of the broken link report
+    # the other; the retry's view names a donor the joiner reached, and the try is applied (before, the donor was
+    # always the first holder: every try failed, and the joiner was refused as one that breaks the ring).
+    clients = _clients(coordinator, 3)
+    run_threads([lambda c=c: c.sync(0) for c in clients])
+    assert run_threads([lambda c=c: c.commit(0, 0, True) for c in clients]) == [True] * 3
+    late = _admit(coordinator, clients, 1)
+    first = late.view
+    assert first.new == ("late",) and first.donor == first.members[0] == "node-0"
+    ends = {"node-0": ["late"], "late": ["node-0"]}
+    run_threads([lambda c=c: c.commit(1, 0, False, unreachable=ends.get(c.node, [])) for c in [*clients, late]])
+    # The joiner has no state yet (its transfer failed): it says so, and is listed as new again.
+    retry = run_threads([lambda c=c: c.sync(1, 1, stateless=c is late) for c in [*clients, late]])
+    assert len(set(retry)) == 1 and not retry[0].skip and retry[0].new == ("late",)
+    assert retry[0].donor == next(m for m in retry[0].members if m not in ("node-0", "late"))
+    assert run_threads([lambda c=c: c.commit(1, 1, True) for c in [*clients, late]]) == [True] * 4
+    _close([*clients, late])
+
+
 def test_nobody_is_refused_when_nothing_tells_who_is_at_fault(coordinator):
     # A first view (every node new) and a joiner that was part of an applied outer step: failed tries only skip.
     clients = _clients(coordinator, 2)

@@ -8,7 +8,9 @@ exchange data with another one. The coordinator learns three things from such tr
 - the members admitted into a ring that worked without them, not yet members of an applied all-reduce
   (`unproven`): if every try of an outer step fails after their admission, they are what changed, and are
   refused;
-- the links both of whose ends reported they could not connect over them (`Transport.unreachable`): a node
+- the links both of whose ends reported they could not connect over them (`Transport.unreachable`): the donor
+  of a view that admits nodes is a holder of the state with no such link to them (it sends them the state
+  directly, whatever the ring); a node
   that these single out over every try of an outer step (links.unreachable_node) is evicted; so is one end of
   links that no ring avoids, once `NUM_CUT_OFF_STEPS` outer steps in a row failed on every try over them
   (links.cut_off_node: 3 nodes or fewer, two sites cut apart), since every outer step of the rest of the run
@@ -124,6 +126,16 @@ class Blame:
             return None
         unreached = {peer for link in set.intersection(*tries) if node in link for peer in link} - {node}
         return Culprit(node=node, unreached=tuple(sorted(unreached)), steps=tuple(steps))
+
+    def donor(self, holders: Sequence[str], new: Sequence[str]) -> str | None:
+        """The holder of the state that sends it to the `new` nodes: the first of `holders` (ring order) with no link
+        to any of them that both ends reported broken in the failed tries kept; the first if every one has such a
+        link. None without new nodes or holders. The transfer goes from the donor to each new node directly, so a
+        joiner cut off from the first holder alone would otherwise fail every try and be refused."""
+        if not holders or not new:
+            return None
+        broken = {link for tries in self._unexplained.values() for links in tries for link in links}
+        return next((h for h in holders if not any(frozenset((h, j)) in broken for j in new)), holders[0])
 
     def ring(self, current: Sequence[str], bandwidth: Mapping[tuple[str, str], float],
              reorder_gain: float) -> tuple[list[str], str | None]:

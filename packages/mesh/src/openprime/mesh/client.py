@@ -54,6 +54,7 @@ class View:
     skip: bool
     slots: tuple[tuple[str, int], ...]  # (node, data slot) in ring order
     state_hash: str | None = None  # the members' agreed hash of the global state after the previous outer step
+    donor: str | None = None  # the member that sends the new nodes the state (None: the first member not new)
 
     def rank_of(self, node: str) -> int:
         return self.members.index(node)
@@ -108,12 +109,12 @@ class MeshClient:
 
     def _belief(self) -> dict[str, Any]:
         view = self.view
-        # `new` and `applied` let a restarted coordinator time the donor and the joiners of the view by their
+        # `new`, `donor` and `applied` let a restarted coordinator time the donor and the joiners of the view by their
         # transfer, at its commit (blocking recovery) or at the barrier after it (non-blocking): stragglers.py.
         return {"node": self.node, "incarnation": self.incarnation, "slot": self.slot,
                 "epoch": view.epoch if view else 0, "members": list(view.members) if view else [],
                 "step": view.step if view else 0, "new": list(view.new) if view else [],
-                "applied": self._view_applied}
+                "donor": view.donor if view else None, "applied": self._view_applied}
 
     def _request(self, sock: zmq.Socket, op: str, deadline: float, **fields: Any) -> dict[str, Any]:
         """Send until answered or `deadline`; raise PeerFailure (coordinator) at the deadline."""
@@ -189,7 +190,8 @@ class MeshClient:
             raise JoinRefused(f"coordinator refused node {self.node} at the outer-step barrier: {reply.get('reason')}")
         view = View(epoch=reply["epoch"], members=tuple(reply["members"]), new=tuple(reply["new"]),
                     step=reply["step"], attempt=reply["attempt"], skip=reply["skip"],
-                    slots=tuple((n, s) for n, s in reply["slots"]), state_hash=reply.get("state_hash"))
+                    slots=tuple((n, s) for n, s in reply["slots"]), state_hash=reply.get("state_hash"),
+                    donor=reply.get("donor"))
         self.view, self.store = view, self._reachable(reply["store"]) if "store" in reply else self.store
         self._view_applied = False
         return view

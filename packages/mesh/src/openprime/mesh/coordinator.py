@@ -230,7 +230,8 @@ class Coordinator:
         # The view's donor and joiners are timed by their transfer, in its commit (blocking recovery) and at the
         # barrier after it (non-blocking): without them a restart in the middle of a transfer (INTELLECT-1's took
         # 30-60 minutes) evicted both once the first member had waited an outer step's compute.
-        self._clock.view_formed(self.members, [n for n in message.get("new") or [] if n in self.members])
+        self._clock.view_formed(self.members, [n for n in message.get("new") or [] if n in self.members],
+                                message.get("donor"))
         if message.get("applied"):
             self._clock.applied(now)
 
@@ -452,7 +453,8 @@ class Coordinator:
         # check what a donor sends them against it.
         reported = {self.hashes.get(step - 1, {}).get(m) for m in holders} - {None}
         agreed = reported.pop() if len(reported) == 1 else None
-        view = {"op": "view", "epoch": self.epoch, "members": members, "new": new, "step": step,
+        donor = self.blame.donor([m for m in members if m in holders], new)
+        view = {"op": "view", "epoch": self.epoch, "members": members, "new": new, "donor": donor, "step": step,
                 "state_hash": agreed,
                 "attempt": attempt, "skip": skip, "slots": [[m, self.nodes[m].slot] for m in members],
                 "store": self.store}
@@ -462,7 +464,7 @@ class Coordinator:
             self._reply(route, req, view)
             self._viewed[node, message["incarnation"]] = req
         self._waiting.clear()
-        self._clock.view_formed(members, new)
+        self._clock.view_formed(members, new, donor)
         log.info("outer step %d try %d: epoch %d, %d nodes%s%s", step, attempt, self.epoch, len(members),
                  f", admitted {joiners}" if joiners and live_members else "", ", SKIPPED" if skip else "")
 

@@ -140,13 +140,13 @@ class ElasticDeviceMesh(Membership):
             view = self.client.sync(step, attempt, state_hash=node_hash, hash_step=hash_step, bandwidth=bandwidth,
                                     stateless=node_hash is None)
             return {"view": [view.epoch, list(view.members), list(view.new), view.step, view.attempt, view.skip,
-                             [list(s) for s in view.slots], view.state_hash], "node": self.client.node,
+                             [list(s) for s in view.slots], view.state_hash, view.donor], "node": self.client.node,
                     "store": self.client.store}
 
         shared = self._on_rank0(sync)
-        epoch, members, new, v_step, v_attempt, skip, slots, agreed = shared["view"]
+        epoch, members, new, v_step, v_attempt, skip, slots, agreed, donor = shared["view"]
         view = View(epoch=epoch, members=tuple(members), new=tuple(new), step=v_step, attempt=v_attempt, skip=skip,
-                    slots=tuple((n, s) for n, s in slots), state_hash=agreed)
+                    slots=tuple((n, s) for n, s in slots), state_hash=agreed, donor=donor)
         self.view = view
         rank = view.rank_of(shared["node"])
         if self._transport is None or epoch != self._epoch or attempt > 0:
@@ -157,7 +157,7 @@ class ElasticDeviceMesh(Membership):
         old = [r for r, n in enumerate(view.members) if n not in view.new]
         new_ranks = tuple(r for r, n in enumerate(view.members) if n in view.new) if old else ()
         return Round(transport=self._transport, step=v_step, attempt=v_attempt, skip=skip, new_ranks=new_ranks,
-                     donor_rank=old[0] if old else 0, state_hash=self._own_hash(agreed),
+                     donor_rank=_donor_rank(view, old), state_hash=self._own_hash(agreed),
                      side_bytes_sent=probed.sent, side_bytes_received=probed.received)
 
     def _rebuild(self, view: View, rank: int, store: str) -> None:
@@ -244,6 +244,14 @@ class ElasticDeviceMesh(Membership):
 # ---------------------------------------------------------------- bytes through the node's local group
 # Messages between a node's local ranks are msgpack bytes carried in uint8 tensors (no pickle, as on the
 # wire between nodes): first each length, then the bytes, padded to the longest for the all-gather.
+
+
+def _donor_rank(view: View, old: list[int]) -> int:
+    """The rank that sends the new nodes the state: the view's donor (the coordinator picks one that reached them,
+    blame.py), else the first member that holds the state."""
+    if view.donor in view.members and view.donor not in view.new:
+        return view.rank_of(view.donor)
+    return old[0] if old else 0
 
 
 def _broadcast_bytes(data: bytes, local_rank: int, group) -> bytes:

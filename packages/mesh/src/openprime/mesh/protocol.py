@@ -102,6 +102,8 @@ def check_request(message: dict[str, Any]) -> str:
         nodes = message.get(name)
         if nodes is not None and not (isinstance(nodes, list) and all(isinstance(m, str) for m in nodes)):
             raise BadMessage(f"{op}: {name} must be a list of node ids")
+    if message.get("donor") is not None and not isinstance(message["donor"], str):
+        raise BadMessage(f"{op}: donor must be a node id")
     if message.get("applied") is not None and not isinstance(message["applied"], bool):
         raise BadMessage(f"{op}: applied must be true or false")
     bandwidth = message.get("bw")

@@ -90,10 +90,14 @@ class StragglerClock:
 
     # ------------------------------------------------------------------ what the coordinator tells it
 
-    def view_formed(self, members: Collection[str], new: Collection[str]) -> None:
+    def view_formed(self, members: Collection[str], new: Collection[str], donor: str | None = None) -> None:
+        """A view went out: `new` nodes take the state from `donor` (None: the first member not new, as views said
+        before they named the donor)."""
         self.barrier_reset()
         self._view_new = frozenset(new)
-        self._view_donor = next((m for m in members if m not in self._view_new), None) if new else None  # elastic.py
+        if donor not in members or donor in self._view_new:
+            donor = next((m for m in members if m not in self._view_new), None)
+        self._view_donor = donor if new else None
         self._fresh, self._donor = frozenset(), None
 
     def barrier_reset(self) -> None:
