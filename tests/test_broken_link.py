@@ -82,21 +82,29 @@ def firewalled(rendezvous, rank, world_size, *, kind: str, node: str, cut: froze
     return Firewalled(rendezvous, rank, world_size, StreamTransportConfig(connect_timeout_s=CONNECT_S))
 
 
+def _firewalled_mesh(client: MeshClient, kind: str, cut: frozenset[frozenset[str]]) -> ElasticDeviceMesh:
+    """The node's ElasticDeviceMesh, its transports `firewalled` for the links in `cut`."""
+    meshes = []  # the mesh, once built: its view names the nodes of the group its factory builds
+
+    def factory(rendezvous, rank, world_size):
+        return firewalled(rendezvous, rank, world_size, kind=kind, node=client.node, cut=cut,
+                          members=lambda: meshes[0].view.members)
+
+    meshes.append(ElasticDeviceMesh(client, run_id=CONFIG.run_id, abort_poll_s=CONFIG.abort_poll_s,
+                                    connect_timeout_s=10.0, transport_factory=factory))
+    return meshes[0]
+
+
 def _node(_transport, ctx, address: str, kind: str, cut: frozenset[frozenset[str]], num_steps: int):
     """Outer steps of a sum all-reduce; per outer step (step, the try applied or None if skipped, the ring, the sum's
     first value); ("evicted", step) last if the coordinator evicted this node."""
     node = f"node-{ctx.rank}"
     client = MeshClient(address, CONFIG, node_id=node)
+    deadline = time.monotonic() + 30
+    while len(client.status()["nodes"]) < ctx.rank and time.monotonic() < deadline:
+        time.sleep(0.01)  # join in rank order: the newest joiner is the highest rank (links.cut_off_node's tie)
     client.join(slot=ctx.rank)  # the first ring is in slot order: node-0, node-1, ...
-    views = []  # the mesh, once built: its view names the nodes of the group its factory builds
-
-    def factory(rendezvous, rank, world_size):
-        return firewalled(rendezvous, rank, world_size, kind=kind, node=node, cut=cut,
-                          members=lambda: views[0].view.members)
-
-    mesh = ElasticDeviceMesh(client, run_id=CONFIG.run_id, abort_poll_s=CONFIG.abort_poll_s, connect_timeout_s=10.0,
-                             transport_factory=factory)
-    views.append(mesh)
+    mesh = _firewalled_mesh(client, kind, cut)
     applied = []
     try:
         for step in range(num_steps):
@@ -152,17 +160,20 @@ def test_a_node_whose_every_link_broke_is_evicted_and_the_others_sync_on():
     cut = frozenset(frozenset((cut_off, f"node-{r}")) for r in range(num_nodes) if f"node-{r}" != cut_off)
     coordinator = Coordinator(attrs.evolve(CONFIG, min_nodes=num_nodes)).start()
     try:
-        results = run_group(num_nodes, _node, factory=None, args=(coordinator.address, "tcp", cut, 3), timeout_s=120)
+        results = run_group(num_nodes, _node, factory=None, args=(coordinator.address, "tcp", cut, 4), timeout_s=120)
     finally:
         coordinator.stop()
-    assert results[2] == [("evicted", 0)] or results[2][-1][0] == "evicted", results[2]
+    # Evicted after outer step 0's tries, or 1's where a try's reports missed links (the README's "under load").
+    assert results[2][-1] in (("evicted", 0), ("evicted", 1)), results[2]
+    evicted_at = results[2][-1][1]
     others = [results[r] for r in (0, 1, 3)]
     assert all(r == others[0] for r in others), others
     assert coordinator.evictions[:1] == [cut_off]
-    (step0, tried0, ring0, _), *applied = others[0]
-    assert (step0, tried0) == (0, None) and cut_off not in ring0  # outer step 0 skipped once, without it
+    skipped, applied = others[0][:evicted_at + 1], others[0][evicted_at + 1:]
+    assert [(s, tried) for s, tried, _, _ in skipped] == [(s, None) for s in range(evicted_at + 1)]
+    assert cut_off not in skipped[-1][2]  # the skipped step's last view is already without it
     total = 1 + 2 + 4  # ranks 0, 1 and 3, plus one each
-    assert [(s, v) for s, _, _, v in applied] == [(1, total * 2), (2, total * 3)]
+    assert [(s, v) for s, _, _, v in applied] == [(s, total * (s + 1)) for s in range(evicted_at + 1, 4)]
     assert all(cut_off not in ring for _, _, ring, _ in applied)
 
 
@@ -203,15 +214,7 @@ def _joiner_or_member(_transport, ctx, address: str, kind: str, cut: frozenset[f
         while not pathlib.Path(flag).exists() and time.monotonic() < deadline:
             time.sleep(0.05)
     client.join(slot=ctx.rank)
-    views = []
-
-    def factory(rendezvous, rank, world_size):
-        return firewalled(rendezvous, rank, world_size, kind=kind, node=node, cut=cut,
-                          members=lambda: views[0].view.members)
-
-    mesh = ElasticDeviceMesh(client, run_id=CONFIG.run_id, abort_poll_s=CONFIG.abort_poll_s, connect_timeout_s=10.0,
-                             transport_factory=factory)
-    views.append(mesh)
+    mesh = _firewalled_mesh(client, kind, cut)
     state = torch.full((NUMEL,), -1.0 if late else 42.0)
     has_state, applied, step = not late, [], 0
     try:
@@ -269,7 +272,8 @@ def test_a_joiner_cut_off_from_the_first_holder_takes_the_state_from_another_and
     step0, admitted, step2 = members[0]
     assert step0[:2] == (0, 0) and "node-4" not in step0[2]
     step, attempt, ring, value, donor = admitted
-    assert (step, attempt) == (1, 1), admitted  # the first retry
+    # The first retry, or the second where a member was aborted before its transport tried the link (README).
+    assert step == 1 and attempt in (1, 2), admitted
     assert donor != "node-0" and donor == next(m for m in ring if m not in ("node-0", "node-4"))
     assert cut.isdisjoint(ring_links(ring)) and value == 15 * 2  # (1 + 2 + 3 + 4 + 5) x (step + 1)
     assert joiner[:-1] == [admitted, step2] and step2[:2] == (2, 0) and step2[3] == 15 * 3

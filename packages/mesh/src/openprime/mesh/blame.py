@@ -108,7 +108,7 @@ class Blame:
         """The node to evict after every try of `step` failed unexplained, and the members it could not reach; None
         if nobody is to be. `members`: the live members, oldest joiner first. The node that what the members could
         not connect to singles out (links.unreachable_node); else, once the `NUM_CUT_OFF_STEPS` outer steps up to
-        `step` all failed so, one end of the links broken in every try of them that no ring avoids
+        `step` all failed so, one end of the links broken in a try of each of them that no ring avoids
         (links.cut_off_node)."""
         if not self.all_tries_unexplained(step):
             return None
@@ -120,11 +120,13 @@ class Blame:
         steps = range(step - NUM_CUT_OFF_STEPS + 1, step + 1)
         if not all(self.all_tries_unexplained(s) for s in steps):
             return None
-        tries = [broken for s in steps for broken in self._unexplained[s]]
-        node = cut_off_node(tries, members)
+        # Per outer step, the links broken in any of its tries: a member that aborted a try before its transport
+        # tried a link reports nothing of it (transports connect in the background), so one try may miss a link.
+        per_step = [set().union(*self._unexplained[s]) for s in steps]
+        node = cut_off_node(per_step, members)
         if node is None:
             return None
-        unreached = {peer for link in set.intersection(*tries) if node in link for peer in link} - {node}
+        unreached = {peer for link in set.intersection(*per_step) if node in link for peer in link} - {node}
         return Culprit(node=node, unreached=tuple(sorted(unreached)), steps=tuple(steps))
 
     def donor(self, holders: Sequence[str], new: Sequence[str]) -> str | None:

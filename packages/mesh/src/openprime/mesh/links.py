@@ -35,7 +35,7 @@ ring goes round it.
 Where no ring goes round the broken links (3 nodes or fewer, which have one ring; two sites that cannot reach
 each other, every ring crossing between them twice), every outer step would be skipped for the rest of the run
 and the replicas would drift apart. `cut_off_node` names one end of them to leave: once outer steps in a row
-(blame.py) have failed on all their tries over the same links, broken both ways in every try, and no ring of
+(blame.py) have failed on all their tries, the same links reported broken both ways in each, and no ring of
 the members avoids them all, the node on the most of those links, the newest of them on a tie. Of two sites,
 the smaller one's nodes are on more of the broken links, and leave one an outer step (the larger site goes on;
 of equal ones, the site of the newest node leaves). The node rejoins as a new node; if the link is still broken,
@@ -165,10 +165,10 @@ def unreachable_node(tries: Sequence[set[frozenset[str]]]) -> str | None:
 def cut_off_node(tries: Sequence[set[frozenset[str]]], members: Sequence[str]) -> str | None:
     """One end of the links broken in every one of `tries` that no ring of `members` avoids, or None.
 
-    `tries`: per failed try, its broken links (both ends reported the other unreachable). `members`: oldest joiner
-    first. None when no link was broken in every try (one try's noise), or when some ring of the members uses none of
-    those links (the next try's ring goes round them: LinkSuspicion). Otherwise the node on the most of them, the
-    newest member on a tie.
+    `tries`: per failed try (or outer step), its broken links (both ends reported the other unreachable). `members`:
+    oldest joiner first. None when no link was broken in every one (noise, or a network that flaps), or when some
+    ring of the members uses none of those links (the next try's ring goes round them: LinkSuspicion). Otherwise the
+    node on the most of them, the newest member on a tie.
     """
     if not tries:
         return None
