@@ -10,11 +10,11 @@ exchange data with another one. The coordinator learns three things from such tr
   refused;
 - the links both of whose ends reported they could not connect over them (`Transport.unreachable`): the donor
   of a view that admits nodes is a holder of the state with no such link to them (it sends them the state
-  directly, whatever the ring); a node
-  that these single out over every try of an outer step (links.unreachable_node) is evicted; so is one end of
-  links that no ring avoids, once `NUM_CUT_OFF_STEPS` outer steps in a row failed on every try over them
-  (links.cut_off_node: 3 nodes or fewer, two sites cut apart), since every outer step of the rest of the run
-  would be skipped and the replicas would drift apart.
+  directly, whatever the ring); a node that these single out over every try of an outer step
+  (links.unreachable_node) is evicted; so is one end of links that no ring avoids, once `NUM_CUT_OFF_STEPS`
+  outer steps in a row failed on every try with them reported broken (links.cut_off_node: 3 nodes or fewer,
+  two sites cut apart), since every outer step of the rest of the run would be skipped and the replicas would
+  drift apart.
 An applied all-reduce proves its members and its ring's links; a bandwidth probe that moved data proves its
 link. The coordinator asks, once an outer step has failed on all `num_tries` tries, whom to refuse or evict
 (it does so and words the log); this module only remembers and decides.
@@ -32,10 +32,10 @@ from openprime.mesh.ring_order import best_ring, ring_bottleneck
 
 __all__ = ["NUM_CUT_OFF_STEPS", "Blame", "Culprit"]
 
-#: Outer steps in a row that must fail on every try over the same broken links, which no ring avoids, before one
-#: end of them is evicted. One is a blip (a route that flapped): the step is skipped and the next one tries again.
-#: Two cost two skipped outer steps, where an eviction costs the evicted node a state transfer (30-60 minutes for
-#: INTELLECT-1's 10B model) when it rejoins.
+#: Outer steps in a row that must fail on every try, the same links reported broken in each, which no ring avoids,
+#: before one end of them is evicted. One is a blip (a route that flapped): the step is skipped and the next one
+#: tries again. Two cost two skipped outer steps, where an eviction costs the evicted node a state transfer (30-60
+#: minutes for INTELLECT-1's 10B model) when it rejoins.
 NUM_CUT_OFF_STEPS = 2
 
 

@@ -543,9 +543,9 @@ class Coordinator:
         tries = self.config.num_all_reduce_tries
         steps = " and ".join(map(str, culprit.steps))
         why = (", whatever the ring order" if len(culprit.steps) == 1 else
-               f", and no ring of the {len(live_members)} members goes round that: one end leaves, the one that joined "
-               f"last, so that the others sync again (else every outer step of the run would be skipped and the "
-               f"replicas would drift apart)")
+               f", and no ring of the {len(live_members)} members goes round that: the node on the most of those "
+               f"links leaves (of equals, the one that joined last), so that the others sync again (else every outer "
+               f"step of the run would be skipped and the replicas would drift apart)")
         self._remove(culprit.node, f"no connection between it and {who} on all {tries} tries of outer step"
                                    f"{'s' if len(culprit.steps) > 1 else ''} {steps}{why}. Check that the other "
                                    f"machines can reach this one at its transport address (transport.options.hostname, "
