@@ -90,10 +90,10 @@ class Transport(ABC):
             raise ValueError(f"rank {rank} is outside a group of {world_size}")
         self.rank = rank
         self.world_size = world_size
-        self._counter_lock = threading.Lock()
+        self._counter_lock = threading.Lock()  # the byte counters and `_unreachable`, updated from I/O threads
         self._bytes_sent = 0
         self._bytes_received = 0
-        self._unreachable: set[int] = set()
+        self._unreachable: frozenset[int] = frozenset()  # replaced, never changed: read without the lock
 
     @property
     def unreachable(self) -> frozenset[int]:
@@ -102,11 +102,14 @@ class Transport(ABC):
         leaves them. The membership reports them when a try fails, so that the coordinator can tell a node nobody
         reaches from a try that failed for other reasons (openprime.mesh.links). Transports that connect
         through a library that does not say to whom (Gloo) report none."""
-        return frozenset(self._unreachable)
+        return self._unreachable
 
     def _reached(self, peer: int, ok: bool) -> None:
-        """A connection attempt to `peer` succeeded (`ok`) or failed: kept for `unreachable`."""
-        (self._unreachable.discard if ok else self._unreachable.add)(peer)
+        """A connection attempt to `peer` succeeded (`ok`) or failed: kept for `unreachable`. Connections are made
+        from several threads, and the membership reads the set from another one (a set copied while a thread
+        adds to it raises)."""
+        with self._counter_lock:
+            self._unreachable = self._unreachable - {peer} if ok else self._unreachable | {peer}
 
     @property
     def bytes_sent(self) -> int:
