@@ -6,15 +6,25 @@ padded to HEADER_BYTES) followed by one Gloo send per non-empty buffer, all unde
 Gloo keeps messages of one tag between two peers in order, which gives the ordering the contract asks.
 Gloo errors (a reset connection, its own timeout) and our deadlines become `PeerFailure`. A Gloo pair
 that timed out is closed by Gloo, so after a PeerFailure the group is rebuilt, never reused.
+
+The group is built on a thread of its own, and the first operation waits for it. Gloo's constructor runs in C++
+and nothing interrupts it: not a doomed try's abort (openprime.mesh.abort), which could only close the transport
+once it existed, nor SIGTERM, whose Python handler waits for the main thread to come back. And it outlasts its
+own timeout: with a peer that published its address and then stopped answering (a frozen process; a firewall that
+drops packets), Gloo's handshake takes 5 x its timeout before it fails (measured with torch 2.13: 10.1 s for a
+2 s timeout, 20.1 s for 4 s). Here an operation waits for the group at most `connect_timeout_s` from the
+transport's creation, and `close()` from any thread fails it at once; a build that finishes after that is dropped.
 """
 
 from __future__ import annotations
 
 import datetime
 import threading
+import time
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 
 from openprime.core.config import config, field, instance_of, positive_float, positive_int
 from openprime.core.distributed import connect_store, gloo_group
@@ -94,13 +104,45 @@ class GlooTransport(Transport):
         self._broken = False
         self._lock = threading.Lock()
         self._in_flight: set = set()  # posted Gloo works not yet waited on: what close() must fail
-        store = connect_store(rendezvous, config.connect_timeout_s, suffix="/gloo")
+        self._pg: dist.ProcessGroupGloo | None = None
+        self._build_error: str | None = None
+        self._build_deadline = time.monotonic() + config.connect_timeout_s
+        self._settled_group = threading.Event()  # the group is built, or its build failed, or the transport closed
+        threading.Thread(target=self._build, args=(rendezvous,), name=f"openprime-gloo-build-r{rank}",
+                         daemon=True).start()
+
+    def _build(self, rendezvous: Rendezvous) -> None:
+        """Build the Gloo group (on its own thread: see the module docstring)."""
         try:
-            self._pg = gloo_group(store, rank, world_size, timeout_s=config.connect_timeout_s,
-                                  host=config.hostname)
-        except RuntimeError as e:
-            raise PeerFailure(tuple(r for r in range(world_size) if r != rank),
-                              f"could not build the Gloo group: {_first_line(e)}") from None
+            store = connect_store(rendezvous, self.config.connect_timeout_s, suffix="/gloo")
+            pg = gloo_group(store, self.rank, self.world_size, timeout_s=self.config.connect_timeout_s,
+                            host=self.config.hostname)
+        except RuntimeError as e:  # Gloo's errors, and the store's (DistStoreError is a RuntimeError)
+            self._build_error = _first_line(e)
+        else:
+            with self._lock:
+                if not self._closed:
+                    self._pg = pg
+            # Closed meanwhile: `pg` goes out of scope here, and Gloo closes its pairs when the group is destroyed.
+        self._settled_group.set()
+
+    def _group(self, peer: int, deadline: float) -> dist.ProcessGroupGloo:
+        """The built group, once it is: waited for until `deadline` and at most `connect_timeout_s` from this
+        transport's creation, and failed at once by close()."""
+        self._settled_group.wait(max(0.0, min(deadline, self._build_deadline) - time.monotonic()))
+        if self._pg is not None:
+            return self._pg
+        others = tuple(r for r in range(self.world_size) if r != self.rank)
+        if self._closed:
+            raise PeerFailure(peer, "transport is closed")
+        self._broken = True
+        if self._build_error is not None:
+            raise PeerFailure(others, f"could not build the Gloo group: {self._build_error}")
+        if time.monotonic() >= self._build_deadline:
+            raise PeerFailure(others, f"the Gloo group was not built within connect_timeout_s="
+                                      f"{self.config.connect_timeout_s:g}: a peer did not come, or came and does not "
+                                      f"answer (a frozen process, or a firewall that drops its packets)")
+        raise PeerFailure(peer, "deadline passed while the Gloo group was being built")
 
     def frame_bytes(self, tag: int, sizes: Sequence[int]) -> int:
         return HEADER_BYTES + sum(sizes)
@@ -125,7 +167,7 @@ class GlooTransport(Transport):
         if len(encoded) > HEADER_BYTES:
             raise ValueError(f"too many buffers in one message for the Gloo header ({len(sizes)})")
         header[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
-        works = self._start("send", peer, tag, [header, *(v for v in views if v.numel())])
+        works = self._start("send", peer, tag, [header, *(v for v in views if v.numel())], deadline)
         return _GlooHandle(self, peer, works, deadline, self.frame_bytes(tag, sizes), sending=True)
 
     def irecv(self, peer: int, tag: int, buffers: Sequence[torch.Tensor], *, deadline: float) -> Handle:
@@ -133,20 +175,21 @@ class GlooTransport(Transport):
         views = [as_bytes(b) for b in buffers]
         sizes = [v.numel() for v in views]
         header = torch.empty(HEADER_BYTES, dtype=torch.uint8)
-        works = self._start("recv", peer, tag, [header, *(v for v in views if v.numel())])
+        works = self._start("recv", peer, tag, [header, *(v for v in views if v.numel())], deadline)
         return _GlooHandle(self, peer, works, deadline, self.frame_bytes(tag, sizes), sending=False,
                            header=header, sizes=sizes, tag=tag)
 
-    def _start(self, op: str, peer: int, tag: int, buffers: list[torch.Tensor]) -> list:
-        """Post Gloo's send or recv (`op`) of each buffer. Gloo raises at once on a pair it already saw closed (a
-        peer that left or died before this call): that is a PeerFailure like any other, not a crash. Posted under
-        the lock that close() takes: a close from another thread (a doomed try's abort) either fails these works
-        or comes first, and then they are not posted (before, the group could be gone: AttributeError)."""
+    def _start(self, op: str, peer: int, tag: int, buffers: list[torch.Tensor], deadline: float) -> list:
+        """Post Gloo's send or recv (`op`) of each buffer, once the group is built. Gloo raises at once on a pair it
+        already saw closed (a peer that left or died before this call): that is a PeerFailure like any other, not a
+        crash. Posted under the lock that close() takes: a close from another thread (a doomed try's abort) either
+        fails these works or comes first, and then they are not posted (before, the group could be gone)."""
+        group = self._group(peer, deadline)
         with self._lock:
             if self._closed:
                 raise PeerFailure(peer, "transport is closed")
             try:
-                works = [getattr(self._pg, op)([b], peer, tag) for b in buffers]
+                works = [getattr(group, op)([b], peer, tag) for b in buffers]
             except RuntimeError as e:
                 self._fail(peer, f"gloo: {_first_line(e)}")
                 raise  # unreachable: _fail raises
@@ -163,6 +206,7 @@ class GlooTransport(Transport):
                 return
             self._closed = True
             pending = list(self._in_flight)
+        self._settled_group.set()  # an operation waiting for the group to be built fails now
         # Another thread may be waiting on an operation (closed from a watcher: an aborted try). Neither abort() nor
         # shutdown() of the group wakes it, but a wait on a pending operation that times out makes Gloo fail every
         # pending operation of the group and close its pairs (gloo's UnboundBuffer: "let all pairs in the transport
