@@ -25,6 +25,8 @@ What it decides, on one thread, between messages:
   its collective deadline, 2(n-1) x op_s;
 - agreement: the nodes' hashes of their global state after each outer step are compared, and any
   difference is logged loudly with the nodes involved.
+
+What it tells a node it refuses or evicts (what happened, and what to do) is worded in reasons.py.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import zmq
 from openprime.core.auth import AuthConfig
 from openprime.core.distributed import host_store
 from openprime.core.errors import ConfigError
+from openprime.mesh import reasons
 from openprime.mesh import terms as terms_rules
 from openprime.mesh.abort import abort_key, try_group
 from openprime.mesh.blame import Blame
@@ -396,14 +399,8 @@ class Coordinator:
         arrived = {m: self._waiting[m][2] for m in self.members if m in self.nodes and m in self._waiting}
         live = [m for m in self.members if m in self.nodes]
         for m, deadline_s in self._clock.late_at_barrier(now, live, arrived):
-            why = (f"the barrier of a retry, which has no inner steps to compute: a process of it hung; "
-                   f"mesh.min_straggler_s={self.config.min_straggler_s:g}" if is_retry(arrived) else
-                   f"a straggler: a process of it hung, or it computes far slower; recent outer steps' compute "
-                   f"{self._clock.known_compute()}, mesh.straggler_factor={self.config.straggler_factor:g}, "
-                   f"mesh.min_straggler_s={self.config.min_straggler_s:g}; raise the factor for machines of "
-                   f"different speeds")
-            self._remove(m, f"alive but not at the outer-step barrier {deadline_s:.0f}s after the first member "
-                            f"({why}). It rejoins as a new node")
+            self._remove(m, reasons.straggler(self.config, deadline_s, retry=is_retry(arrived),
+                                              known_compute=self._clock.known_compute()))
 
     def _try_barrier(self) -> None:
         self._evict_stragglers(time.monotonic())
@@ -476,11 +473,7 @@ class Coordinator:
         its recovery window first: the run's members may not have reported back yet."""
         if any(n not in self._waiting for n in self.nodes) or self._just_started():
             return
-        seen = (f"the run reached outer step {self.step + 1}; its nodes are gone" if self.epoch else
-                "this coordinator (re)started after the run's nodes were gone, and has seen none of its outer steps")
-        reason = (f"no node holding the run's state is left ({seen}) and the {len(waiting)} node(s) waiting joined it "
-                  f"without that state: continue the run by starting its machines again with `--resume latest` (each "
-                  f"from its own checkpoints), or restart the coordinator (`openprime mesh serve`) to start a new run")
+        reason = reasons.no_state_left(self.step, self.epoch, len(waiting))
         log.error("outer step %d: %s (refused: %s)", self.step, reason, waiting)
         self._refuse_at_barrier(waiting, reason)
         self._clock.barrier_reset()
@@ -494,13 +487,7 @@ class Coordinator:
             message = self._waiting[j][2]
             if message["step"] <= step or message.get("stateless") is True:
                 continue
-            reason = (f"this node holds the run's state at outer step {message['step'] + 1}, but the run at this "
-                      f"coordinator is at outer step {step + 1}: joining would replace the newer state with that "
-                      f"older one. The run here is another one (begun after the nodes of this node's run were gone: a "
-                      f"restarted coordinator, nodes started without a checkpoint) or one rolled back. Stop it and "
-                      f"start every machine again with `--resume latest` (`openprime mesh serve --min-nodes M` for M "
-                      f"machines, so that the first outer step waits for them), or resume this node from the "
-                      f"checkpoint the others resumed")
+            reason = reasons.ahead(message["step"], step)
             log.error("outer step %d: refusing %s: %s", step, j, reason)
             self._refuse_at_barrier([j], reason)
 
@@ -521,11 +508,7 @@ class Coordinator:
         culprits = self.blame.unproven_culprits(live_members, step)
         if not culprits:
             return False
-        reason = (f"the all-reduce of outer step {step} failed on all {self.config.num_all_reduce_tries} tries after "
-                  f"this node was admitted, where the run's other members had succeeded without it: they could not "
-                  f"exchange data with it. Check that the other machines can reach this one at its transport address "
-                  f"(transport.options.hostname, its ports, firewalls, NAT) and that it uses the run's site file; the "
-                  f"run goes on without it")
+        reason = reasons.unproven(step, self.config.num_all_reduce_tries)
         log.error("outer step %d: refusing %s, admitted before every try of it failed: %s", step, culprits, reason)
         self._refuse_at_barrier(culprits, reason)
         return True
@@ -538,18 +521,7 @@ class Coordinator:
         culprit = self.blame.unreachable_culprit(step, sorted(live_members, key=lambda m: self.nodes[m].joined_at))
         if culprit is None or culprit.node not in self.nodes:
             return False
-        everyone = set(culprit.unreached) == set(live_members) - {culprit.node}
-        who = "the other members" if everyone else ", ".join(culprit.unreached)
-        tries = self.config.num_all_reduce_tries
-        steps = " and ".join(map(str, culprit.steps))
-        why = (", whatever the ring order" if len(culprit.steps) == 1 else
-               f", and no ring of the {len(live_members)} members goes round that: the node on the most of those "
-               f"links leaves (of equals, the one that joined last), so that the others sync again (else every outer "
-               f"step of the run would be skipped and the replicas would drift apart)")
-        self._remove(culprit.node, f"no connection between it and {who} on all {tries} tries of outer step"
-                                   f"{'s' if len(culprit.steps) > 1 else ''} {steps}{why}. Check that the other "
-                                   f"machines can reach this one at its transport address (transport.options.hostname, "
-                                   f"its ports, firewalls, NAT). It rejoins as a new node")
+        self._remove(culprit.node, reasons.unreachable(culprit, live_members, self.config.num_all_reduce_tries))
         return True
 
     def _evict_silent_committee(self, committee: Committee, now: float) -> None:
@@ -559,9 +531,7 @@ class Coordinator:
         if self._just_started():
             return  # as at the barrier: the members resend their reports first
         for m, waited_s in self._clock.late_in_commit(now, committee.members, committee.reported_at, self.nodes):
-            self._remove(m, f"alive but did not report on the all-reduce of outer step {committee.step} "
-                            f"{waited_s:.0f}s after the first member did (a process of it hung after the "
-                            f"barrier). It rejoins as a new node")
+            self._remove(m, reasons.silent_in_commit(committee.step, waited_s))
 
     def _try_commit(self) -> None:
         committee = self._committee
