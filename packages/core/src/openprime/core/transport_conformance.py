@@ -226,6 +226,28 @@ def _body_peer_closes(transport, ctx: GroupContext, linger_s: float) -> float | 
     raise AssertionError("recv from a peer that closed its transport returned")
 
 
+def _body_peer_closes_after_a_send_not_waited_on(transport, ctx: GroupContext, linger_s: float) -> float | None:
+    """As `_body_peer_closes`, but rank 1 first sends rank 0 a message it never waits on, as a ring collective does
+    when its receive fails first; rank 0 receives that message, then waits on a second that never comes."""
+    if ctx.rank == 1:
+        transport.isend(0, TAG_A, [torch.ones(4)], deadline=time.monotonic() + 30.0)  # never waited on
+        time.sleep(0.5)
+        transport.close()
+        _stay_silent(ctx, linger_s)
+        return None
+    start = time.monotonic()
+    try:
+        transport.recv(1, TAG_A, [torch.empty(4)], deadline=start + 30.0)
+        start = time.monotonic()
+        transport.recv(1, TAG_B, [torch.empty(16, dtype=torch.uint8)], deadline=start + 30.0)
+    except PeerFailure as e:
+        assert e.peers == (1,), e.peers
+        return time.monotonic() - start
+    finally:
+        _measured(ctx)
+    raise AssertionError("recv from a peer that closed its transport returned")
+
+
 def _body_closed_by_another_thread(transport, ctx: GroupContext, linger_s: float) -> dict | None:
     """Rank 0 waits on a receive from rank 1 (alive, silent) and on the send of a message too large to fit in
     the socket buffers, and another thread of rank 0 closes rank 0's transport after 0.5 s (an abort of a doomed
@@ -464,6 +486,15 @@ class TransportConformance:
         # at the default 120 s). The cascade goes round the ring in a few round trips.
         elapsed, _ = run_group(2, _body_peer_closes, factory=self.factory, args=(2.0,), timeout_s=60)
         assert elapsed < 2.0, f"the receive raised {elapsed:.1f}s after it was posted, the close came at 0.5s"
+
+    def test_a_peer_close_fails_a_receive_waiting_on_it_after_a_send_never_waited_on(self):
+        # A ring step posts its send, then waits on its receive; when the receive fails, the send is never waited on,
+        # and the transport is closed (Membership.abandon). Gloo's close left that completed send's work holding the
+        # group, whose connections stayed open until the transport was dropped at the next view: the right-hand
+        # peer waited until then (tools/chaos.py seed 34, 2026-12-06: 20 s, then evicted as a straggler).
+        elapsed, _ = run_group(2, _body_peer_closes_after_a_send_not_waited_on, factory=self.factory, args=(4.0,),
+                               timeout_s=60)
+        assert elapsed < 2.0, f"the receive raised {elapsed:.1f}s after it was posted; the close came sooner"
 
     def test_a_close_from_another_thread_fails_this_ranks_waits_at_once(self):
         # A try the coordinator knows is doomed (a member was evicted: frozen, or cut off by the network) is aborted

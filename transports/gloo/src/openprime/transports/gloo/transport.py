@@ -205,7 +205,7 @@ class GlooTransport(Transport):
             if self._closed:
                 return
             self._closed = True
-            pending = list(self._in_flight)
+            pending, self._in_flight = list(self._in_flight), set()
         self._settled_group.set()  # an operation waiting for the group to be built fails now
         # Another thread may be waiting on an operation (closed from a watcher: an aborted try). Neither abort() nor
         # shutdown() of the group wakes it, but a wait on a pending operation that times out makes Gloo fail every
@@ -216,7 +216,12 @@ class GlooTransport(Transport):
                 work.wait(datetime.timedelta(milliseconds=1))
             except RuntimeError:
                 break  # one timeout closed them all
-        self._pg = None  # Gloo closes its pairs when the group is destroyed
+        # Gloo closes its pairs when the group is destroyed, which is when nothing holds it or a work of it: a send
+        # that completed but was never waited on (the ring's, when its receive failed first) kept it alive in
+        # `_in_flight` until this transport was dropped at the next view, and its right-hand peer, waiting on this
+        # process, waited until then too (tools/chaos.py seed 34: 20 s, and a false eviction of that peer).
+        pending.clear()
+        self._pg = None
 
 
 def create_gloo_transport(rendezvous: Rendezvous, rank: int, world_size: int,
