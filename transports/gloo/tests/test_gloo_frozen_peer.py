@@ -28,7 +28,6 @@ PEER = """
 import sys, time
 from openprime.core.transport import Rendezvous
 from openprime.transports.gloo import GlooTransportConfig, create_gloo_transport
-from openprime.transports.gloo import transport as gloo_transport
 create_gloo_transport(Rendezvous(host="127.0.0.1", port=int(sys.argv[1]), group=sys.argv[2]), 1, 2,
                       GlooTransportConfig(connect_timeout_s=60))
 time.sleep(120)

@@ -205,6 +205,11 @@ class GlooTransport(Transport):
             if self._closed:
                 return
             self._closed = True
+            # Emptied, not only read: Gloo closes its pairs when the group is destroyed, which is when nothing holds
+            # it or a work of it. A send that completed but was never waited on (a ring step's, when its receive
+            # failed first) kept the group alive here until this transport was dropped at the next view, and its
+            # right-hand peer, waiting on this process, waited until then (tools/chaos.py seed 34: 20 s, then that
+            # peer was evicted as a straggler).
             pending, self._in_flight = list(self._in_flight), set()
         self._settled_group.set()  # an operation waiting for the group to be built fails now
         # Another thread may be waiting on an operation (closed from a watcher: an aborted try). Neither abort() nor
@@ -216,11 +221,6 @@ class GlooTransport(Transport):
                 work.wait(datetime.timedelta(milliseconds=1))
             except RuntimeError:
                 break  # one timeout closed them all
-        # Gloo closes its pairs when the group is destroyed, which is when nothing holds it or a work of it: a send
-        # that completed but was never waited on (the ring's, when its receive failed first) kept it alive in
-        # `_in_flight` until this transport was dropped at the next view, and its right-hand peer, waiting on this
-        # process, waited until then too (tools/chaos.py seed 34: 20 s, and a false eviction of that peer).
-        pending.clear()
         self._pg = None
 
 
