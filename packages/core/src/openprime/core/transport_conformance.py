@@ -167,12 +167,18 @@ def _body_hang(transport, ctx: GroupContext, deadline_s: float) -> float | None:
 
 
 def _body_killed(transport, ctx: GroupContext, nbytes: int) -> float | None:
+    # A first small message connects the pair: a transport that connects in the background (tcp) may not have
+    # connected 0.05 s in, and a peer killed before it ever connected is a peer that never came (found only at the
+    # receive's deadline, 60 s here), not one killed mid-transfer.
+    hello = torch.zeros(1)
     if ctx.rank == 1:
+        transport.send(0, TAG_B, [hello], deadline=time.monotonic() + 30)
         # Die by SIGKILL while a large message is on its way: no clean-up, no goodbye.
         threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGKILL)).start()
         data = pattern(nbytes, seed=1)
         while True:
             transport.send(0, TAG_A, [data], deadline=time.monotonic() + 60)
+    transport.recv(1, TAG_B, [hello], deadline=time.monotonic() + 30)
     start = time.monotonic()
     buf = torch.empty(nbytes, dtype=torch.uint8)
     try:
