@@ -6,6 +6,7 @@ with exactly the baseline's global-state hashes after every outer step and exact
 """
 
 import contextlib
+import os
 import pathlib
 import shutil
 import signal
@@ -15,6 +16,7 @@ import sys
 import pytest
 import torch
 
+from openprime.ckpt.store import verify_step
 from openprime.train.checkpointing import load_model_weights
 from openprime.train.metrics import read_records, summarize
 from openprime.train.model import Llama
@@ -148,6 +150,46 @@ def test_sigterm_or_sighup_stops_the_nodes_as_ctrl_c_does(tmp_path, signum):
     assert "Traceback" not in out, out[-3000:]
     pids = node_pids(read_records(run_dir))
     assert len(pids) == 2 and all(process_ended(pid) for pid in pids), pids
+
+
+# Loaded by every Python process of the run below (PYTHONPATH): node 0 sends itself SIGTERM the moment its first outer
+# step is done, before the step's records and checkpoint, the stretch where a stop used to leave the step without
+# its part (openprime.train.leaving).
+_STOP_AFTER_THE_FIRST_OUTER_STEP = """
+import os, signal
+from openprime.train import trainer
+
+_step = trainer.Progress.step
+
+def step(self, step, loss, lr, step_s, result, **kwargs):
+    if result is not None and result.outer_step == 1 and self.n.node == 0:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return _step(self, step, loss, lr, step_s, result, **kwargs)
+
+trainer.Progress.step = step
+"""
+
+
+@pytest.mark.slow
+def test_a_node_stopped_as_its_outer_step_ends_saves_that_step_before_it_leaves(tmp_path):
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(_STOP_AFTER_THE_FIRST_OUTER_STEP)
+    run_dir = tmp_path / "run"
+    path = os.pathsep.join([str(inject), os.environ.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-m", "openprime.train.cli", "run", str(ROOT / "recipes" / "debug.py"),
+                           "--run-dir", str(run_dir), *SHORT,
+                           "--set", "checkpoint.num_keep=10"],  # node 1 goes on saving: keep its part of step 10
+                          capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONPATH": path})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]  # node 1 finished the run
+    assert f"node 0 exited with code {128 + signal.SIGTERM}" in out, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    # Both nodes' parts of the first outer step's checkpoint are there and verify (every part the step names).
+    step = verify_step(run_dir / "checkpoints", 10)
+    assert sorted(step.parts) == ["slot-0", "slot-1"], step.parts
+    saved = [r["node"] for r in read_records(run_dir) if r["kind"] == "checkpoint" and r["step"] == 10]
+    assert sorted(saved) == [0, 1]
 
 
 def test_resume_refuses_another_model_before_starting(stopped, tmp_path):

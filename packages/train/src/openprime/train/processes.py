@@ -2,9 +2,9 @@
 
 The launcher (launcher.py) starts one process per local rank of each node from a fork server that imported
 torch and openprime.train once (`NodeProcess`); each runs `node_main`. A node process leaves the run
-gracefully on SIGTERM or SIGHUP (its checkpoint closed, its deathrattle sent), exits `REFUSED_EXIT` where
-running the same command again would fail the same way, prints its threads' stacks on SIGUSR1, and leaves
-once the process that launched it is gone.
+gracefully on SIGTERM or SIGHUP (its checkpoint closed, its deathrattle sent; leaving.py says when), exits
+`REFUSED_EXIT` where running the same command again would fail the same way, prints its threads' stacks on
+SIGUSR1, and leaves once the process that launched it is gone.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from openprime.core.transport import Rendezvous
 from openprime.mesh import JoinRefused
 from openprime.train.config import RunConfig
 from openprime.train.guard import Diverged
+from openprime.train.leaving import STOP_SIGNALS, leave
 from openprime.train.metrics import show_info_logs
 from openprime.train.trainer import run_node
 
@@ -59,19 +60,6 @@ def output_to(path: pathlib.Path | None) -> Iterator[None]:
         os.dup2(saved[1], 2)
         for f in (fd, *saved):
             os.close(f)
-
-
-# Signals that stop a node, or a whole launch, gracefully: `kill` and job schedulers send SIGTERM; a closed terminal
-# or ssh session sends SIGHUP to the launcher and its nodes (their process group).
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
-
-
-def _leave(signum: int = signal.SIGTERM, *_: object) -> None:
-    """SIGTERM or SIGHUP: leave gracefully (checkpoint closed, deathrattle sent) once; a second one (the launcher's
-    watchdog stopping the node's other processes) does not interrupt the first exit."""
-    for stop in STOP_SIGNALS:
-        signal.signal(stop, signal.SIG_IGN)
-    sys.exit(128 + signum)
 
 
 # The exit code of a node refused by the coordinator or stopped by a config error: its message says what to change;
@@ -247,7 +235,7 @@ def node_main(cfg: RunConfig, node: int, coordinator: str, run_dir: pathlib.Path
               local_rendezvous: Rendezvous | None = None, first_device: int = 0) -> None:
     """The body of one node process (one local rank): SIGTERM leaves gracefully (the deathrattle), errors exit 1."""
     for stop in STOP_SIGNALS:
-        signal.signal(stop, _leave)
+        signal.signal(stop, leave)
     install_stack_dump()
     if local_rank == 0:  # it speaks for the node (its other ranks' transfers are the same size and pace)
         show_info_logs(node)

@@ -55,6 +55,7 @@ from openprime.train.data import MixtureBatches, node_batches, prepare_data, val
 from openprime.train.data_parallel import GradientAllReduce
 from openprime.train.guard import NonFiniteSteps
 from openprime.train.hardware import check_local_ranks, detect_device_type, visible_gpu
+from openprime.train.leaving import stop_deferred
 from openprime.train.loss import cross_entropy_loss, loss_with_max_z
 from openprime.train.metrics import (
     MetricsWriter,
@@ -427,24 +428,26 @@ def run_node(cfg: RunConfig, *, node: int, coordinator: str, run_dir: pathlib.Pa
                 n.say(f"[node {node}] {e}")
                 result = n.catch_up(rejoin=True)
                 n.write("rejoined", node_id=n.mesh.node_id, slot=n.mesh.slot, step=counters.num_inner_steps_done)
-            if result is not None and result.received_state:  # the run was further on than this node's state
-                follow_schedule(n.sched, counters.num_inner_steps_done)
-            if result is not None and (result.received_state or (result.contributed and not skipped)):
-                guard.contributed()
-            progress.step(step, loss, lr, time.monotonic() - step_start, result, grad_norm=grad_norm, skipped=skipped)
-            guard.stop_if_diverged(step)
-            if result is not None:
-                stopping = bool(stop_at) and counters.num_outer_steps_done >= stop_at
-                if n.checkpoint_due(stopping):
-                    if guard.healthy:
-                        n.save()
-                    else:
-                        n.say(f"[node {node}] no checkpoint at step {step}: its latest inner step had no finite "
-                              f"gradient")
-                if stopping:
-                    n.say(f"[node {node}] stopping after outer step {stop_at} (train.stop_after_outer_steps); "
-                          f"continue with --resume latest")
-                    break
+            with stop_deferred():  # a stop once the outer step is done waits for its checkpoint's snapshot
+                if result is not None and result.received_state:  # the run was further on than this node's state
+                    follow_schedule(n.sched, counters.num_inner_steps_done)
+                if result is not None and (result.received_state or (result.contributed and not skipped)):
+                    guard.contributed()
+                progress.step(step, loss, lr, time.monotonic() - step_start, result, grad_norm=grad_norm,
+                              skipped=skipped)
+                guard.stop_if_diverged(step)
+                if result is not None:
+                    stopping = bool(stop_at) and counters.num_outer_steps_done >= stop_at
+                    if n.checkpoint_due(stopping):
+                        if guard.healthy:
+                            n.save()
+                        else:
+                            n.say(f"[node {node}] no checkpoint at step {step}: its latest inner step had no finite "
+                                  f"gradient")
+                    if stopping:
+                        n.say(f"[node {node}] stopping after outer step {stop_at} (train.stop_after_outer_steps); "
+                              f"continue with --resume latest")
+                        break
         summary = progress.summary()
         if n.ckpt is not None:
             n.ckpt.close()  # the last save is on disk before the node reports its end

@@ -1,0 +1,51 @@
+"""How a node process leaves the run on SIGTERM or SIGHUP: at once, from wherever its main thread is, except
+inside `stop_deferred()`, where the stop waits for the block's end.
+
+Leaving at once is what a stop needs almost everywhere: a node waiting in a collective for a peer must not wait
+out the deadline (`sys.exit` unwinds it, the node's `finally` blocks close its checkpoint and send the
+deathrattle). One stretch must not be cut: from an outer step's end to its checkpoint's snapshot. Every node
+finished that outer step; a node stopped before its snapshot leaves the step without its part, and `--resume
+latest` with all the run's nodes has to fall back to the step before (a test's Ctrl-C caught node 0 there after
+node 1 had saved, 2026-12-06). The stretch is short (the step's records, the snapshot's host copy; the write goes
+on in a thread that the exit waits for), so a stop that comes inside it is honoured at its end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+from collections.abc import Iterator
+
+# Signals that stop a node, or a whole launch, gracefully: `kill` and job schedulers send SIGTERM; a closed terminal
+# or ssh session sends SIGHUP to the launcher and its nodes (their process group).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+_num_deferring = 0  # how many stop_deferred() blocks the main thread is in
+_pending: list[int] = []  # the stop signal that came inside one, to be honoured at its end
+
+
+def leave(signum: int = signal.SIGTERM, *_: object) -> None:
+    """The node's handler of STOP_SIGNALS: exit 128 + signum (SystemExit) now, or at the end of the
+    `stop_deferred()` block the main thread is in. Only the first stop counts: a second one (the launcher's
+    watchdog stopping the node's other processes) does not interrupt the first exit."""
+    for stop in STOP_SIGNALS:
+        signal.signal(stop, signal.SIG_IGN)
+    if _num_deferring:
+        _pending.append(signum)
+        return
+    sys.exit(128 + signum)
+
+
+@contextlib.contextmanager
+def stop_deferred() -> Iterator[None]:
+    """A stop signal that comes inside this block (main thread, `leave` installed) exits when the block ends
+    normally; an exception from the block goes on as it would have (the stop is then moot: the node is leaving)."""
+    global _num_deferring
+    _num_deferring += 1
+    try:
+        yield
+    finally:
+        _num_deferring -= 1
+    if not _num_deferring and _pending:
+        sys.exit(128 + _pending[0])
