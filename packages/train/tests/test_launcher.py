@@ -10,7 +10,10 @@ import sys
 import threading
 import time
 
-from openprime.train.launcher import Launcher
+import torch
+
+from openprime.ckpt import write_part
+from openprime.train.launcher import Launcher, _print_checkpoints
 from openprime.train.processes import NodeProcess, dump_stacks, install_stack_dump, is_stopped, output_to
 from openprime.train.recipe import recipe_config
 from openprime.train.testing import process_ended
@@ -215,3 +218,32 @@ def test_nodes_on_one_machine_compute_on_gpus_of_their_own(tmp_path, monkeypatch
         launcher.procs.clear()
         launcher.local_procs.clear()
         launcher.stop()
+
+
+def _saved(root: pathlib.Path, step: int, *slots: int) -> None:
+    """Step `step` of a 2-node run of which the nodes in `slots` finished saving their parts."""
+    for slot in slots:
+        write_part(root, step, f"slot-{slot}", {"w": torch.zeros(2)}, parts=["slot-0", "slot-1"])
+
+
+def test_the_command_that_continues_a_run_resumes_from_a_step_that_holds_every_node(tmp_path, capsys):
+    """A stop can leave a step that one node saved and the other did not (stopped inside the outer step): the end
+    of the launch names the step that `--resume latest` with all the nodes takes, or a command that works."""
+    cfg = recipe_config(ROOT / "recipes" / "debug.py", [])
+    run_dir = tmp_path / "run"
+    root = run_dir / "checkpoints"
+    _saved(root, 20, 1)
+    assert _print_checkpoints(cfg, run_dir, num_nodes=2, joined=None) == 20
+    out = capsys.readouterr().out
+    assert (f"no checkpoint holds the parts of all 2 nodes: continue with `openprime run RECIPE --nodes 1 --run-dir "
+            f"{run_dir} --resume latest` (step 20;") in out, out
+    _saved(root, 10, 0, 1)
+    assert _print_checkpoints(cfg, run_dir, num_nodes=2, joined=None) == 20
+    out = capsys.readouterr().out
+    assert (f"(newest: step 20); continue with `openprime run RECIPE --nodes 2 --run-dir {run_dir} --resume latest` "
+            f"(from step 10, the newest that holds every node's parts);") in out, out
+    _saved(root, 20, 0)
+    assert _print_checkpoints(cfg, run_dir, num_nodes=2, joined="tcp://10.0.0.1:29400") == 20
+    out = capsys.readouterr().out
+    assert (f"(newest: step 20); continue with `openprime run RECIPE --nodes 2 --join tcp://10.0.0.1:29400 --run-dir "
+            f"{run_dir} --resume latest`; export") in out, out

@@ -97,17 +97,27 @@ def nodes_here(num_nodes: int) -> PartsCheck:
     return enough
 
 
-def newest_saved(root: pathlib.Path) -> int | None:
-    """The newest step under `root` of which at least one node's parts all finished saving (their manifests are
-    checked, not their checksums: this is what the end of a launch reports, not a resume), or None. Every node
+def newest_saved(root: pathlib.Path, *, num_nodes: int = 1) -> int | None:
+    """The newest step under `root` of which at least `num_nodes` nodes' parts all finished saving (their manifests
+    are checked, not their checksums: this is what the end of a launch reports, not a resume), or None. Every node
     holds the same global state after an outer step, so one node's parts are enough to export the model or to
-    continue the run (more nodes join it and take the state from a peer)."""
+    continue the run (more nodes join it and take the state from a peer); `--resume latest` of a launch of
+    `num_nodes` nodes takes the newest step that holds them all."""
     for step in reversed(list_steps(root)):
         try:
-            return verify_step(root, step, checksums=False, enough=nodes_here(1)).step
+            return verify_step(root, step, checksums=False, enough=nodes_here(num_nodes)).step
         except (CorruptCheckpoint, OSError, ValueError, KeyError):
             continue
     return None
+
+
+def num_nodes_saved(root: pathlib.Path, step: int) -> int:
+    """How many nodes' parts of step `step` under `root` all finished saving (manifests checked, not checksums);
+    0 when none did or the step is gone (a live run on a shared disk prunes its old steps)."""
+    try:
+        return len(parts_by_node(usable_nodes(verify_step(root, step, checksums=False, enough=nodes_here(1)))))
+    except (CorruptCheckpoint, OSError, ValueError, KeyError):
+        return 0
 
 
 def usable_nodes(found: Checkpoint) -> Checkpoint:

@@ -30,7 +30,7 @@ from openprime.core.config import to_dict
 from openprime.core.distributed import host_store
 from openprime.core.transport import Rendezvous
 from openprime.mesh import Coordinator
-from openprime.train.checkpointing import checkpoint_root, newest_saved, parts_by_node
+from openprime.train.checkpointing import checkpoint_root, newest_saved, num_nodes_saved, parts_by_node
 from openprime.train.config import RunConfig
 from openprime.train.data import prepare_data
 from openprime.train.hardware import detect_device_type, device_blocks, least_used_block
@@ -291,8 +291,19 @@ def _print_checkpoints(cfg: RunConfig, run_dir: pathlib.Path, *, num_nodes: int,
         return None
     # A launch joined to a standalone coordinator (one machine of several) resumes joined to it again.
     join = f" --join {joined}" if joined else ""
-    more = (f"continue with `openprime run RECIPE --nodes {num_nodes}{join} --run-dir {run_dir} --resume latest`; "
-            if saved < cfg.train.num_steps and how_to_continue else "")
+    more = ""
+    if saved < cfg.train.num_steps and how_to_continue:
+        # `--resume latest` takes the newest step that holds every node of the launch: a node stopped inside an
+        # outer step that the others finished and saved left that step without its part.
+        resumable = newest_saved(root, num_nodes=num_nodes) if num_nodes > 1 else saved
+        if resumable is None:
+            more = (f"no checkpoint holds the parts of all {num_nodes} nodes: continue with `openprime run RECIPE "
+                    f"--nodes {num_nodes_saved(root, saved)}{join} --run-dir {run_dir} --resume latest` (step "
+                    f"{saved}; more nodes can join it with --join and take the state from a peer); ")
+        else:
+            older = f" (from step {resumable}, the newest that holds every node's parts)" if resumable < saved else ""
+            more = (f"continue with `openprime run RECIPE --nodes {num_nodes}{join} --run-dir {run_dir} --resume "
+                    f"latest`{older}; ")
     unfinished = [step for step in steps if step > saved]
     note = f"; the saves of step(s) {unfinished} did not finish" if unfinished else ""
     print(f"  checkpoints: {root} (newest: step {saved}{note}); {more}export the model with "
