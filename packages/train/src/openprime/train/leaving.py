@@ -28,13 +28,20 @@ _pending: list[int] = []  # the stop signal that came inside one, to be honoured
 def leave(signum: int = signal.SIGTERM, *_: object) -> None:
     """The node's handler of STOP_SIGNALS: exit 128 + signum (SystemExit) now, or at the end of the
     `stop_deferred()` block the main thread is in. Only the first stop counts: a second one (the launcher's
-    watchdog stopping the node's other processes) does not interrupt the first exit."""
+    SIGTERM after a closed terminal's SIGHUP, its watchdog stopping the node's other processes) does not
+    interrupt the first exit. It is caught and dropped, not ignored: a signal that arrived with the first, before
+    this ran, would find SIG_IGN and raise OSError ("Signal 15 ignored due to race condition") in the middle of
+    the exit (seen with SIGHUP to the launcher's process group, 2026-12-06)."""
     for stop in STOP_SIGNALS:
-        signal.signal(stop, signal.SIG_IGN)
+        signal.signal(stop, _ignore)
     if _num_deferring:
         _pending.append(signum)
         return
     sys.exit(128 + signum)
+
+
+def _ignore(*_: object) -> None:
+    """A stop signal after the first: the node is already leaving."""
 
 
 @contextlib.contextmanager

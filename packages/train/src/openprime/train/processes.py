@@ -181,7 +181,8 @@ class NodeProcess(mp.context.ForkServerProcess):
         return _OnePoller(process_obj)
 
     def start(self) -> None:
-        mp.set_forkserver_preload(["torch", "openprime.train.launcher"])  # no effect once the server runs
+        # No effect once the server runs. openprime.train.forkserver makes the server ignore stop signals.
+        mp.set_forkserver_preload(["torch", "openprime.train.launcher", "openprime.train.forkserver"])
         self._inherited = _Inherited()
         super().start()
 
@@ -236,6 +237,10 @@ def node_main(cfg: RunConfig, node: int, coordinator: str, run_dir: pathlib.Path
     """The body of one node process (one local rank): SIGTERM leaves gracefully (the deathrattle), errors exit 1."""
     for stop in STOP_SIGNALS:
         signal.signal(stop, leave)
+    # Ctrl-C in a terminal sends SIGINT to the launcher and every node (one process group), and a node process from
+    # the fork server has SIGINT at its default action: it died at once, its deathrattle unsent and its checkpoint
+    # write under way lost. The launcher's handler stops the nodes (SIGTERM: they leave gracefully).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     install_stack_dump()
     if local_rank == 0:  # it speaks for the node (its other ranks' transfers are the same size and pace)
         show_info_logs(node)
