@@ -18,6 +18,7 @@ import torch
 
 from openprime.ckpt.store import verify_step
 from openprime.train.checkpointing import load_model_weights
+from openprime.train.launcher import LEAVE_S
 from openprime.train.metrics import read_records, summarize
 from openprime.train.model import Llama
 from openprime.train.testing import free_port, node_pids, process_ended, serve_coordinator, wait_for
@@ -99,7 +100,8 @@ def test_a_corrupt_checkpoint_falls_back_to_the_previous_one(baseline, stopped, 
     assert summarize(run_dir).distinct_hashes[6] == summarize(baseline).distinct_hashes[6]  # from 20 to the same end
 
 
-def _signalled_after_the_first_checkpoint(run_dir: pathlib.Path, signum: int, *, group: bool) -> tuple[int, str]:
+def _signalled_after_the_first_checkpoint(run_dir: pathlib.Path, signum: int, *, group: bool,
+                                         env: dict[str, str] | None = None) -> tuple[int, str]:
     """`openprime run` of the short 2-node run, sent `signum` once its first checkpoint is written by both nodes;
     returns its exit code and output. `group`: to the launcher's whole process group, as a terminal's Ctrl-C
     (SIGINT) or hang-up (SIGHUP) and a job scheduler's or systemd's stop (SIGTERM) are; else to the launcher only
@@ -111,7 +113,7 @@ def _signalled_after_the_first_checkpoint(run_dir: pathlib.Path, signum: int, *,
     proc = subprocess.Popen([sys.executable, "-m", "openprime.train.cli", "run", str(ROOT / "recipes" / "debug.py"),
                              "--run-dir", str(run_dir), *SHORT], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-                            process_group=0)
+                            process_group=0, env={**os.environ, **(env or {})})
     try:
         wait_for(run_dir, lambda records: len({r["node"] for r in records if r["kind"] == "checkpoint"}) == 2,
                  timeout_s=120)
@@ -202,6 +204,40 @@ def test_a_node_stopped_as_its_outer_step_ends_saves_that_step_before_it_leaves(
     assert sorted(step.parts) == ["slot-0", "slot-1"], step.parts
     saved = [r["node"] for r in read_records(run_dir) if r["kind"] == "checkpoint" and r["step"] == 10]
     assert sorted(saved) == [0, 1]
+
+
+# Loaded by every Python process of the run below: every checkpoint write takes WRITE_S longer (in its temporary
+# directory, as a large model's write does), more than the launcher gives a stopped node to leave (LEAVE_S).
+_SLOW_WRITES = """
+import time
+import torch.distributed.checkpoint as dcp
+
+_save = dcp.save
+
+def save(*args, **kwargs):
+    time.sleep({write_s})
+    return _save(*args, **kwargs)
+
+dcp.save = save
+"""
+
+
+@pytest.mark.slow
+def test_ctrl_c_waits_for_the_checkpoint_writes_under_way(tmp_path):
+    """Ctrl-C while both nodes write a checkpoint that takes longer than the launcher's LEAVE_S: the launcher waits
+    for the writes (it killed the nodes at 10 s, and the save was lost) and names that checkpoint to continue from."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(_SLOW_WRITES.format(write_s=LEAVE_S + 4))
+    run_dir = tmp_path / "run"
+    path = os.pathsep.join([str(inject), os.environ.get("PYTHONPATH", "")])
+    returncode, out = _signalled_after_the_first_checkpoint(run_dir, signal.SIGINT, group=True,
+                                                            env={"PYTHONPATH": path})
+    assert returncode == 130, out[-3000:]
+    assert "openprime: waiting for node(s) [0, 1] to finish writing their checkpoint" in out, out[-3000:]
+    assert out.count("removed: left (deathrattle)") == 2, out[-3000:]
+    assert f"(newest: step 10); continue with `openprime run RECIPE --nodes 2 --run-dir {run_dir}" in out, out[-3000:]
+    assert sorted(verify_step(run_dir / "checkpoints", 10).parts) == ["slot-0", "slot-1"]
 
 
 def test_resume_refuses_another_model_before_starting(stopped, tmp_path):

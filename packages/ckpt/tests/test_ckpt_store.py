@@ -21,6 +21,7 @@ from openprime.ckpt import (
     step_dir,
     verify_manifest,
     write_part,
+    writing_pids,
 )
 from openprime.ckpt.state import flatten
 
@@ -216,6 +217,16 @@ def test_prune_never_removes_the_step_just_saved_nor_later_ones(tmp_path) -> Non
     write_part(tmp_path, 40, "slot-0", make_state(40), parts=["slot-0"])
     assert prune(tmp_path, "slot-0", num_keep=2, saved=40) == [50, 60]
     assert list_steps(tmp_path) == [30, 40, 50, 60]
+
+
+def test_writing_pids_are_those_of_the_temporary_directories_of_writes_under_way(tmp_path) -> None:
+    write_part(tmp_path, 10, "slot-0", make_state(1), parts=["slot-0"])  # finished: no temporary directory left
+    assert writing_pids(tmp_path) == set()
+    (step_dir(tmp_path, 20) / ".tmp-slot-0-4242-0123abcd").mkdir(parents=True)
+    (step_dir(tmp_path, 20) / ".tmp-slot-1-rank-1-77-89abcdef").mkdir()
+    (step_dir(tmp_path, 20) / ".tmp-garbled").mkdir()
+    assert writing_pids(tmp_path) == {4242, 77}
+    assert writing_pids(tmp_path / "nowhere") == set()
 
 
 def test_snapshot_reuses_an_earlier_snapshot_memory() -> None:

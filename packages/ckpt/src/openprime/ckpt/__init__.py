@@ -16,6 +16,7 @@ from openprime.ckpt.store import (
     resolve,
     step_dir,
     write_part,
+    writing_pids,
 )
 
 __all__ = [
@@ -37,4 +38,5 @@ __all__ = [
     "step_dir",
     "verify_manifest",
     "write_part",
+    "writing_pids",
 ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from openprime.core.config import config, field, instance_of, one_of_enum, positive_int
+from openprime.core.config import config, field, instance_of, one_of_enum, positive_float, positive_int
 
 
 class SaveMode(enum.Enum):
@@ -26,3 +26,6 @@ class CheckpointConfig:
     num_keep: int = field(2, doc="newest checkpoints kept; older ones are deleted after a save succeeds",
                           validator=positive_int())
     directory: str = field("", doc="where checkpoints go; empty: RUN_DIR/checkpoints", validator=instance_of(str))
+    stop_wait_s: float = field(900.0, doc="how long a stopped launch waits for a node's checkpoint write under way "
+                               "before it kills the node, losing that save (older ones stay)",
+                               validator=positive_float())

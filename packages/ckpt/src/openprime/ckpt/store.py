@@ -277,6 +277,17 @@ def resolve(path: pathlib.Path, *, checksums: bool = True, enough: PartsCheck | 
     return latest(path, checksums=checksums, enough=enough)
 
 
+def writing_pids(root: pathlib.Path) -> set[int]:
+    """The processes whose write of a part under `root` is under way: the pids in the names of the temporary
+    directories (`write_part`). A writer killed mid-write leaves its directory until that part's next save: callers
+    compare with processes they know are alive."""
+    pids = set()
+    for tmp in root.glob(f"step-*/{TMP_PREFIX}*"):
+        with contextlib.suppress(ValueError, IndexError):
+            pids.add(int(tmp.name.rsplit("-", 2)[1]))
+    return pids
+
+
 def prune(root: pathlib.Path, part: str, *, num_keep: int, saved: int | None = None) -> list[int]:
     """Delete this part from all but the newest `num_keep` steps, with leftovers of this part's failed saves.
 

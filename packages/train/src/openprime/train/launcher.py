@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 import attrs
 import torch
 
-from openprime.ckpt import Checkpoint, list_steps
+from openprime.ckpt import Checkpoint, list_steps, writing_pids
 from openprime.core.config import to_dict
 from openprime.core.distributed import host_store
 from openprime.core.transport import Rendezvous
@@ -63,6 +63,11 @@ def write_run_files(run_dir: pathlib.Path, cfg: RunConfig, *, recipe: pathlib.Pa
     sources.mkdir(exist_ok=True)
     for path in recipe_files:
         shutil.copyfile(path, sources / path.name)
+
+
+# How long a stopped node process has to leave (its deathrattle, closing its mesh) before SIGKILL, when no
+# checkpoint write of its own is under way (Launcher.stop).
+LEAVE_S = 10.0
 
 
 class Launcher:
@@ -158,16 +163,43 @@ class Launcher:
         return dump_stacks([(p.name, p.pid) for p in self._alive()], settle_s=settle_s)
 
     def stop(self) -> None:
+        """Stop every node: SIGTERM (it leaves gracefully), then SIGKILL to a process still there LEAVE_S later, or
+        LEAVE_S after its checkpoint write under way ended (checkpoint.stop_wait_s at most, or a second Ctrl-C):
+        killing a write loses that save, which for a large model is minutes of writing and an outer step of
+        training."""
         self._watching.set()
         everything = [p for procs in self.local_procs.values() for p in procs]
         for p in everything:
             if p.is_alive():
                 p.terminate()
-        for p in everything:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        start = time.monotonic()
+        root = checkpoint_root(self.cfg.checkpoint, self.run_dir)
+        node_of = {p.pid: node for node, procs in self.local_procs.items() for p in procs}
+        kill_at = {p.pid: start + LEAVE_S for p in everything}
+        said = False
+        try:
+            while alive := [p for p in everything if p.is_alive()]:
+                now = time.monotonic()
+                writing = [p for p in alive if p.pid in writing_pids(root)]
+                for p in writing:
+                    kill_at[p.pid] = min(now + LEAVE_S, start + self.cfg.checkpoint.stop_wait_s)
+                if writing and now > start + LEAVE_S and not said:
+                    said = True
+                    print(f"openprime: waiting for node(s) {sorted({node_of[p.pid] for p in writing})} to finish "
+                          f"writing their checkpoint (at most checkpoint.stop_wait_s="
+                          f"{self.cfg.checkpoint.stop_wait_s:g}; Ctrl-C again kills them and loses that save)",
+                          file=sys.stderr, flush=True)
+                for p in alive:
+                    if now > kill_at[p.pid]:
+                        p.kill()
+                        p.join()
+                time.sleep(WATCHDOG_POLL_S / 2)
+        except KeyboardInterrupt:
+            print("openprime: interrupted again; killing the nodes still there", file=sys.stderr, flush=True)
+            for p in everything:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
         if self.coordinator_server is not None:
             self.coordinator_server.stop()
             self.coordinator_server = None
