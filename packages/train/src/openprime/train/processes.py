@@ -187,6 +187,8 @@ class NodeProcess(mp.context.ForkServerProcess):
         super().start()
 
     def run(self) -> None:
+        for stop in STOP_SIGNALS:  # ignored by the fork server (openprime.train.forkserver), not by its children
+            signal.signal(stop, signal.SIG_DFL)
         self._inherited.adopt()
         if self._inherited.launcher_pid is not None:
             leave_when_gone(self._inherited.launcher_pid)
