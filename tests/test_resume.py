@@ -171,16 +171,16 @@ def test_sigterm_or_sighup_stops_the_nodes_as_ctrl_c_does(tmp_path, signum, grou
 # its part (openprime.train.leaving).
 _STOP_AFTER_THE_FIRST_OUTER_STEP = """
 import os, signal
-from openprime.train import trainer
+from openprime.train import progress
 
-_step = trainer.Progress.step
+_step = progress.Progress.step
 
 def step(self, step, loss, lr, step_s, result, **kwargs):
     if result is not None and result.outer_step == 1 and self.n.node == 0:
         os.kill(os.getpid(), signal.SIGTERM)
     return _step(self, step, loss, lr, step_s, result, **kwargs)
 
-trainer.Progress.step = step
+progress.Progress.step = step
 """
 
 

@@ -6,7 +6,7 @@ weights at the first barrier), reads its disjoint share of the data (its slot), 
 `diloco.num_inner_steps` steps `DiLoCo.step()` runs the outer step with whichever nodes are alive.
 A node started mid-run first waits for the next outer step and receives the state from a live peer;
 a node that finds itself evicted (it was frozen) comes back the same way, as a new node. Per-step and
-per-outer-step records go to the run's metrics JSONL; progress goes to stdout.
+per-outer-step records go to the run's metrics JSONL and progress to stdout (progress.py).
 
 A node is `fsdp.num_local_ranks` processes (section 2.2): each runs this loop on its share of the node's
 batch and holds one FSDP2 shard of the model, and its DiLoCo runs one ring with the same local rank of the
@@ -54,36 +54,21 @@ from openprime.train.config import RunConfig, Strategy, TensorBoard
 from openprime.train.data import MixtureBatches, node_batches, prepare_data, validation_batches
 from openprime.train.data_parallel import GradientAllReduce
 from openprime.train.guard import NonFiniteSteps
-from openprime.train.hardware import check_local_ranks, detect_device_type, visible_gpu
+from openprime.train.hardware import check_local_ranks, detect_device_type
 from openprime.train.leaving import stop_deferred
 from openprime.train.loss import cross_entropy_loss, loss_with_max_z
 from openprime.train.metrics import (
     MetricsWriter,
-    WallClock,
     holds_outer_steps,
-    human_bytes,
-    model_flops_utilisation,
-    progress_line,
     say,
     tensorboard_installed,
 )
-from openprime.train.model import Llama, num_flops_per_token
+from openprime.train.model import Llama
 from openprime.train.optim import build_optimizer, clip_gradients
+from openprime.train.progress import NodeSummary, Progress, say_outer
 from openprime.train.schedule import build_lr_scheduler, follow_schedule
 from openprime.train.terms import run_terms
 from openprime.train.transports import codec_for, transport_factory
-
-
-@attrs.frozen
-class NodeSummary:
-    """What a node reports when its run ends."""
-
-    node: int
-    first_loss: float
-    last_loss: float
-    num_outer_steps: int
-    last_hash: str
-    bytes_sent: int
 
 
 def build_batches(cfg: RunConfig, slot: int) -> MixtureBatches:
@@ -381,7 +366,7 @@ class Node:
     def report_outer(self, step: int, r: OuterStepResult, *, compute_utilisation: float | None = None) -> None:
         self.write("outer", step=step, **attrs.asdict(r), compute_utilisation=compute_utilisation)
         if self.local_rank == 0:
-            _say_outer(self.node, r)
+            say_outer(self.node, r)
         if self.cfg.fsdp.sharded and self.mesh.view is not None:
             view = self.mesh.view
             self.metrics.write("local_outer", local_rank=self.local_rank, outer_step=r.outer_step, epoch=view.epoch,
@@ -455,59 +440,3 @@ def run_node(cfg: RunConfig, *, node: int, coordinator: str, run_dir: pathlib.Pa
         return summary
     finally:
         n.close()
-
-
-class Progress:
-    """What a node measures and reports as it trains: the step, outer-step, validation and progress records."""
-
-    def __init__(self, cfg: RunConfig, node: Node) -> None:
-        self.cfg, self.n = cfg, node
-        self.tokens_per_step = node.tokens_per_step
-        self.flops_per_token = num_flops_per_token(cfg.model, cfg.train.seq_len)
-        self.peak_flops = cfg.metrics.peak_flops or (visible_gpu().peak_flops if node.device.type == "cuda" else 0.0)
-        self.clock, self.window_start = WallClock(), time.monotonic()
-        self.losses: list[float] = []
-        self.outer: OuterStepResult | None = None
-        self.sent = 0
-
-    def step(self, step: int, loss: float, lr: float, step_s: float, result: OuterStepResult | None, *,
-             grad_norm: float, skipped: bool) -> None:
-        cfg, n = self.cfg, self.n
-        self.losses.append(loss)
-        tokens_per_s = self.tokens_per_step / step_s
-        mfu = model_flops_utilisation(tokens_per_s=tokens_per_s, flops_per_token=self.flops_per_token,
-                                      peak_flops=self.peak_flops, num_devices=cfg.fsdp.num_local_ranks)
-        n.write("step", step=step, loss=loss, lr=lr, tokens=n.tokens(step), step_s=step_s,
-                tokens_per_s=tokens_per_s, mfu=mfu, grad_norm=grad_norm, skipped=skipped)
-        if result is not None:
-            self.clock.outer_s += result.total_s
-            # Each local rank's ring carries its shard: the node's traffic is the sum over its ranks.
-            node_sent, node_received = local_sum([result.bytes_sent, result.bytes_received], n.local_mesh)
-            self.outer = attrs.evolve(result, bytes_sent=int(node_sent), bytes_received=int(node_received))
-            self.sent += self.outer.bytes_sent
-            n.report_outer(step, self.outer, compute_utilisation=self.clock.compute_utilisation())
-        last = step == cfg.train.num_steps
-        num_nodes = len(n.mesh.view.members) if n.mesh.view else 1
-        if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or last):
-            n.write("eval", step=step, val_loss=n.evaluate(), tokens=n.tokens(step), num_nodes=num_nodes)
-        if step % cfg.train.log_every == 0 or last:
-            elapsed, self.window_start = time.monotonic() - self.window_start, time.monotonic()
-            n.say(progress_line(node=n.node, step=step, num_steps=cfg.train.num_steps, loss=loss,
-                                tokens_per_s=self.tokens_per_step * cfg.train.log_every / elapsed,
-                                outer_steps=n.counters.num_outer_steps_done, bytes_sent=self.sent, lr=lr,
-                                compute_utilisation=self.clock.compute_utilisation(), mfu=mfu, num_nodes=num_nodes))
-
-    def summary(self) -> NodeSummary:
-        return NodeSummary(node=self.n.node, first_loss=self.losses[0] if self.losses else float("nan"),
-                           last_loss=self.losses[-1] if self.losses else float("nan"),
-                           num_outer_steps=self.n.counters.num_outer_steps_done,
-                           last_hash=self.outer.state_hash if self.outer else "", bytes_sent=self.sent)
-
-
-def _say_outer(node: int, r: OuterStepResult) -> None:
-    if r.skipped:
-        say(f"[node {node}] outer step {r.outer_step} SKIPPED after {r.num_tries - 1} failed tries (on every node)")
-        return
-    retried = f" after {r.num_tries} tries" if r.num_tries > 1 else ""
-    say(f"[node {node}] outer step {r.outer_step}: {r.num_contributors} of {r.num_members} nodes{retried}, "
-        f"all-reduce {r.all_reduce_s:.2f}s, sent {human_bytes(r.bytes_sent)}, global state hash {r.state_hash[:12]}")

@@ -1,0 +1,88 @@
+"""What a node measures and reports as it trains: its step, outer-step, validation and progress records
+(`Progress`, run by the training loop in trainer.py), the outer step's line, and the summary it ends with."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import attrs
+
+from openprime.diloco import OuterStepResult
+from openprime.fsdp import local_sum
+from openprime.train.config import RunConfig
+from openprime.train.hardware import visible_gpu
+from openprime.train.metrics import WallClock, human_bytes, model_flops_utilisation, progress_line, say
+from openprime.train.model import num_flops_per_token
+
+if TYPE_CHECKING:
+    from openprime.train.trainer import Node
+
+
+@attrs.frozen
+class NodeSummary:
+    """What a node reports when its run ends."""
+
+    node: int
+    first_loss: float
+    last_loss: float
+    num_outer_steps: int
+    last_hash: str
+    bytes_sent: int
+
+
+class Progress:
+    """What a node measures and reports as it trains: the step, outer-step, validation and progress records."""
+
+    def __init__(self, cfg: RunConfig, node: Node) -> None:
+        self.cfg, self.n = cfg, node
+        self.tokens_per_step = node.tokens_per_step
+        self.flops_per_token = num_flops_per_token(cfg.model, cfg.train.seq_len)
+        self.peak_flops = cfg.metrics.peak_flops or (visible_gpu().peak_flops if node.device.type == "cuda" else 0.0)
+        self.clock, self.window_start = WallClock(), time.monotonic()
+        self.losses: list[float] = []
+        self.outer: OuterStepResult | None = None
+        self.sent = 0
+
+    def step(self, step: int, loss: float, lr: float, step_s: float, result: OuterStepResult | None, *,
+             grad_norm: float, skipped: bool) -> None:
+        cfg, n = self.cfg, self.n
+        self.losses.append(loss)
+        tokens_per_s = self.tokens_per_step / step_s
+        mfu = model_flops_utilisation(tokens_per_s=tokens_per_s, flops_per_token=self.flops_per_token,
+                                      peak_flops=self.peak_flops, num_devices=cfg.fsdp.num_local_ranks)
+        n.write("step", step=step, loss=loss, lr=lr, tokens=n.tokens(step), step_s=step_s,
+                tokens_per_s=tokens_per_s, mfu=mfu, grad_norm=grad_norm, skipped=skipped)
+        if result is not None:
+            self.clock.outer_s += result.total_s
+            # Each local rank's ring carries its shard: the node's traffic is the sum over its ranks.
+            node_sent, node_received = local_sum([result.bytes_sent, result.bytes_received], n.local_mesh)
+            self.outer = attrs.evolve(result, bytes_sent=int(node_sent), bytes_received=int(node_received))
+            self.sent += self.outer.bytes_sent
+            n.report_outer(step, self.outer, compute_utilisation=self.clock.compute_utilisation())
+        last = step == cfg.train.num_steps
+        num_nodes = len(n.mesh.view.members) if n.mesh.view else 1
+        if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or last):
+            n.write("eval", step=step, val_loss=n.evaluate(), tokens=n.tokens(step), num_nodes=num_nodes)
+        if step % cfg.train.log_every == 0 or last:
+            elapsed, self.window_start = time.monotonic() - self.window_start, time.monotonic()
+            n.say(progress_line(node=n.node, step=step, num_steps=cfg.train.num_steps, loss=loss,
+                                tokens_per_s=self.tokens_per_step * cfg.train.log_every / elapsed,
+                                outer_steps=n.counters.num_outer_steps_done, bytes_sent=self.sent, lr=lr,
+                                compute_utilisation=self.clock.compute_utilisation(), mfu=mfu, num_nodes=num_nodes))
+
+    def summary(self) -> NodeSummary:
+        return NodeSummary(node=self.n.node, first_loss=self.losses[0] if self.losses else float("nan"),
+                           last_loss=self.losses[-1] if self.losses else float("nan"),
+                           num_outer_steps=self.n.counters.num_outer_steps_done,
+                           last_hash=self.outer.state_hash if self.outer else "", bytes_sent=self.sent)
+
+
+def say_outer(node: int, r: OuterStepResult) -> None:
+    """The outer step's line on the terminal."""
+    if r.skipped:
+        say(f"[node {node}] outer step {r.outer_step} SKIPPED after {r.num_tries - 1} failed tries (on every node)")
+        return
+    retried = f" after {r.num_tries} tries" if r.num_tries > 1 else ""
+    say(f"[node {node}] outer step {r.outer_step}: {r.num_contributors} of {r.num_members} nodes{retried}, "
+        f"all-reduce {r.all_reduce_s:.2f}s, sent {human_bytes(r.bytes_sent)}, global state hash {r.state_hash[:12]}")
