@@ -184,11 +184,34 @@ progress.Progress.step = step
 """
 
 
+# The same, as a closed terminal does it: node 0's stdout is gone (a pipe nobody reads: writes fail, as a hung-up
+# terminal's fail with EIO) and SIGHUP comes as its first outer step ends.
+_HUNG_UP_AFTER_THE_FIRST_OUTER_STEP = """
+import os, signal
+from openprime.train import progress
+
+_step = progress.Progress.step
+
+def step(self, step, loss, lr, step_s, result, **kwargs):
+    if result is not None and result.outer_step == 1 and self.n.node == 0:
+        read, write = os.pipe()
+        os.close(read)
+        os.dup2(write, 1)
+        os.kill(os.getpid(), signal.SIGHUP)
+    return _step(self, step, loss, lr, step_s, result, **kwargs)
+
+progress.Progress.step = step
+"""
+
+
 @pytest.mark.slow
-def test_a_node_stopped_as_its_outer_step_ends_saves_that_step_before_it_leaves(tmp_path):
+@pytest.mark.parametrize("inject", [_STOP_AFTER_THE_FIRST_OUTER_STEP, _HUNG_UP_AFTER_THE_FIRST_OUTER_STEP],
+                         ids=["SIGTERM", "hung-up"])
+def test_a_node_stopped_as_its_outer_step_ends_saves_that_step_before_it_leaves(tmp_path, inject):
+    signum = signal.SIGTERM if inject is _STOP_AFTER_THE_FIRST_OUTER_STEP else signal.SIGHUP
+    (tmp_path / "inject").mkdir()
+    (tmp_path / "inject" / "sitecustomize.py").write_text(inject)
     inject = tmp_path / "inject"
-    inject.mkdir()
-    (inject / "sitecustomize.py").write_text(_STOP_AFTER_THE_FIRST_OUTER_STEP)
     run_dir = tmp_path / "run"
     path = os.pathsep.join([str(inject), os.environ.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, "-m", "openprime.train.cli", "run", str(ROOT / "recipes" / "debug.py"),
@@ -197,7 +220,7 @@ def test_a_node_stopped_as_its_outer_step_ends_saves_that_step_before_it_leaves(
                           capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONPATH": path})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]  # node 1 finished the run
-    assert f"node 0 exited with code {128 + signal.SIGTERM}" in out, out[-3000:]
+    assert f"node 0 exited with code {128 + signum}" in out, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
     # Both nodes' parts of the first outer step's checkpoint are there and verify (every part the step names).
     step = verify_step(run_dir / "checkpoints", 10)

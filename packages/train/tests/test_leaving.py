@@ -19,11 +19,12 @@ for stop in STOP_SIGNALS:
 """
 
 
-def _child(body: str) -> tuple[int, list[str]]:
+def _child(body: str, out: str = "stdout") -> tuple[int, list[str]]:
+    """The child's exit code and the words it wrote to `out` (stdout, or stderr when its stdout is the test)."""
     proc = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(body)], capture_output=True, text=True,
                           timeout=60)
     assert "Traceback" not in proc.stderr, proc.stderr
-    return proc.returncode, proc.stdout.split()
+    return proc.returncode, getattr(proc, out).split()
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
@@ -82,3 +83,23 @@ def test_without_a_stop_a_deferred_block_changes_nothing():
         print("after", flush=True)
     """)
     assert (code, said) == (0, ["inside", "after"])
+
+
+def test_a_leaving_node_drops_the_lines_its_gone_terminal_cannot_take():
+    """A closed terminal sends SIGHUP and takes stdout with it: inside the block (saving the checkpoint of the outer
+    step just done) the node's lines are dropped; a node that is not leaving still fails on a broken stdout."""
+    code, said = _child("""
+        from openprime.train.metrics import say
+        read, write = os.pipe()
+        os.close(read)
+        os.dup2(write, 1)
+        try:
+            say("nobody reads this")
+        except BrokenPipeError:
+            sys.stderr.write("raised ")
+        with stop_deferred():
+            os.kill(os.getpid(), signal.SIGHUP)
+            say("nor this")
+            sys.stderr.write("dropped ")
+    """, out="stderr")
+    assert (code, said) == (128 + signal.SIGHUP, ["raised", "dropped"])

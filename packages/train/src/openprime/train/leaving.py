@@ -23,6 +23,12 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 _num_deferring = 0  # how many stop_deferred() blocks the main thread is in
 _pending: list[int] = []  # the stop signal that came inside one, to be honoured at its end
+_received: list[int] = []  # every stop signal this process got
+
+
+def stop_received() -> bool:
+    """This process got a stop signal: it is leaving (now, or at the end of a `stop_deferred()` block)."""
+    return bool(_received)
 
 
 def leave(signum: int = signal.SIGTERM, *_: object) -> None:
@@ -32,6 +38,7 @@ def leave(signum: int = signal.SIGTERM, *_: object) -> None:
     interrupt the first exit. It is caught and dropped, not ignored: a signal that arrived with the first, before
     this ran, would find SIG_IGN and raise OSError ("Signal 15 ignored due to race condition") in the middle of
     the exit (seen with SIGHUP to the launcher's process group, 2026-12-06)."""
+    _received.append(signum)
     for stop in STOP_SIGNALS:
         signal.signal(stop, _ignore)
     if _num_deferring:

@@ -23,6 +23,8 @@ from typing import Any
 
 import attrs
 
+from openprime.train.leaving import stop_received
+
 METRICS_FILE = "metrics.jsonl"
 
 log = logging.getLogger("openprime.train.metrics")
@@ -91,9 +93,17 @@ def model_flops_utilisation(*, tokens_per_s: float, flops_per_token: float, peak
 
 
 def say(line: str) -> None:
-    """Print one line with a single write, so that lines of concurrent nodes never tear."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
+    """Print one line with a single write, so that lines of concurrent nodes never tear.
+
+    A node that is leaving drops a line it cannot write: a closed terminal or ssh session sends SIGHUP and takes the
+    node's stdout with it (EIO), and a leaving node still saves the checkpoint of an outer step it just finished
+    (openprime.train.leaving), after that step's lines; it failed there with the write's error instead."""
+    try:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+    except OSError:
+        if not stop_received():
+            raise
 
 
 # Whose INFO records a node prints: live recovery, whose transfers (30-60 minutes in INTELLECT-1) say how far they are.
