@@ -354,3 +354,13 @@ def test_mesh_serve_on_a_port_in_use_is_a_clear_error(capsys):
         assert main(["mesh", "serve", "--bind", f"tcp://127.0.0.1:{port}"]) == 2
     err = capsys.readouterr().err
     assert f"the coordinator cannot listen on 'tcp://127.0.0.1:{port}': Address already in use" in err, err
+
+
+def test_ctrl_c_before_the_nodes_start_exits_130_without_a_traceback(capsys, tmp_path, monkeypatch):
+    # Verifying a large checkpoint's checksums, or training the tokenizer, takes minutes before any node starts.
+    def interrupted(cfg, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("openprime.train.launcher.launch", interrupted)
+    assert main(["run", DEBUG, "--run-dir", str(tmp_path / "run")]) == 130
+    assert capsys.readouterr().err == "openprime: interrupted\n"

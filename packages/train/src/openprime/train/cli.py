@@ -266,6 +266,14 @@ def dry_run(cfg: RunConfig, num_nodes: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # before the nodes started (a launch handles its own): the data, a checksum check
+        print("openprime: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "mesh":
         return serve_mesh(args)
