@@ -399,8 +399,10 @@ class Coordinator:
         arrived = {m: self._waiting[m][2] for m in self.members if m in self.nodes and m in self._waiting}
         live = [m for m in self.members if m in self.nodes]
         for m, deadline_s in self._clock.late_at_barrier(now, live, arrived):
-            self._remove(m, reasons.straggler(self.config, deadline_s, retry=is_retry(arrived),
-                                              known_compute=self._clock.known_compute()))
+            self._remove(m, reasons.straggler(deadline_s, retry=is_retry(arrived),
+                                              known_compute=self._clock.known_compute(),
+                                              straggler_factor=self.config.straggler_factor,
+                                              min_straggler_s=self.config.min_straggler_s))
 
     def _try_barrier(self) -> None:
         self._evict_stragglers(time.monotonic())

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from openprime.mesh.blame import Culprit
-from openprime.mesh.config import MeshConfig
 
 #: Every eviction of a live node ends so: it is not lost for the run.
 REJOINS = "It rejoins as a new node"
@@ -19,13 +18,15 @@ _CHECK_ADDRESS = ("Check that the other machines can reach this one at its trans
                   "(transport.options.hostname, its ports, firewalls, NAT)")
 
 
-def straggler(config: MeshConfig, deadline_s: float, *, retry: bool, known_compute: str) -> str:
-    """A member alive by its heartbeats that stayed away from the barrier `deadline_s` after the first member."""
+def straggler(deadline_s: float, *, retry: bool, known_compute: str, straggler_factor: float,
+              min_straggler_s: float) -> str:
+    """A member alive by its heartbeats that stayed away from the barrier `deadline_s` after the first member
+    (the deadline from the mesh config's `straggler_factor` and `min_straggler_s`)."""
     why = (f"the barrier of a retry, which has no inner steps to compute: a process of it hung; "
-           f"mesh.min_straggler_s={config.min_straggler_s:g}" if retry else
+           f"mesh.min_straggler_s={min_straggler_s:g}" if retry else
            f"a straggler: a process of it hung, or it computes far slower; recent outer steps' compute "
-           f"{known_compute}, mesh.straggler_factor={config.straggler_factor:g}, "
-           f"mesh.min_straggler_s={config.min_straggler_s:g}; raise the factor for machines of different speeds")
+           f"{known_compute}, mesh.straggler_factor={straggler_factor:g}, "
+           f"mesh.min_straggler_s={min_straggler_s:g}; raise the factor for machines of different speeds")
     return f"alive but not at the outer-step barrier {deadline_s:.0f}s after the first member ({why}). {REJOINS}"
 
 
