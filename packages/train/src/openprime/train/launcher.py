@@ -180,7 +180,8 @@ class Launcher:
         try:
             while alive := [p for p in everything if p.is_alive()]:
                 now = time.monotonic()
-                writing = [p for p in alive if p.pid in writing_pids(root)]
+                pids = writing_pids(root)
+                writing = [p for p in alive if p.pid in pids]
                 for p in writing:
                     kill_at[p.pid] = min(now + LEAVE_S, start + self.cfg.checkpoint.stop_wait_s)
                 if writing and now > start + LEAVE_S and not said:
