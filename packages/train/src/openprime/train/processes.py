@@ -239,9 +239,9 @@ def node_main(cfg: RunConfig, node: int, coordinator: str, run_dir: pathlib.Path
     """The body of one node process (one local rank): SIGTERM leaves gracefully (the deathrattle), errors exit 1."""
     for stop in STOP_SIGNALS:
         signal.signal(stop, leave)
-    # Ctrl-C in a terminal sends SIGINT to the launcher and every node (one process group), and a node process from
-    # the fork server has SIGINT at its default action: it died at once, its deathrattle unsent and its checkpoint
-    # write under way lost. The launcher's handler stops the nodes (SIGTERM: they leave gracefully).
+    # Ctrl-C in a terminal sends SIGINT to the launcher and every node (one process group); a node that took it
+    # ended at once, with no deathrattle and no line, and its checkpoint write under way was lost (2026-12-06). The
+    # launcher's handler stops the nodes (SIGTERM: they leave gracefully).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     install_stack_dump()
     if local_rank == 0:  # it speaks for the node (its other ranks' transfers are the same size and pace)
