@@ -250,3 +250,46 @@ def test_the_command_that_continues_a_run_resumes_from_a_step_that_holds_every_n
     out = capsys.readouterr().out
     assert (f"(newest: step 20); continue with `openprime run RECIPE --nodes 2 --join tcp://10.0.0.1:29400 --run-dir "
             f"{run_dir} --resume latest`; export") in out, out
+
+
+def _deaf(ready) -> None:
+    """A node process that ignores SIGTERM (it never gets to leave): only SIGKILL ends it."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ready.set()
+    time.sleep(120)
+
+
+def test_stop_waits_longer_only_for_a_process_whose_checkpoint_write_is_under_way(tmp_path, monkeypatch, capsys):
+    import openprime.train.launcher as launcher_module
+
+    monkeypatch.setattr(launcher_module, "LEAVE_S", 0.5)
+    cfg = recipe_config(ROOT / "recipes" / "debug.py", ["checkpoint.stop_wait_s=3"])
+    launcher = Launcher(cfg, tmp_path / "run", num_nodes=2)
+    ctx = mp.get_context("fork")
+    procs, ended = [], {}
+    try:
+        for node in (0, 1):
+            ready = ctx.Event()
+            proc = ctx.Process(target=_deaf, args=(ready,), name=f"node-{node}")
+            proc.start()
+            assert ready.wait(30)
+            procs.append(proc)
+            launcher.local_procs[node] = [proc]
+        # Node 1 writes its part of step 10 (the temporary directory write_part names with its pid).
+        (tmp_path / "run" / "checkpoints" / "step-00000010" / f".tmp-slot-1-{procs[1].pid}-0123abcd").mkdir(
+            parents=True)
+        watchers = [threading.Thread(target=lambda p=p: (p.join(60), ended.setdefault(p.name, time.monotonic())))
+                    for p in procs]
+        start = time.monotonic()
+        for w in watchers:
+            w.start()
+        launcher.stop()
+        for w in watchers:
+            w.join(60)
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert 0.5 <= ended["node-0"] - start < 2.5, ended["node-0"] - start  # LEAVE_S, then SIGKILL
+    assert 3.0 <= ended["node-1"] - start < 5.0, ended["node-1"] - start  # the write: checkpoint.stop_wait_s
+    assert "openprime: waiting for node(s) [1] to finish writing their checkpoint (at most " \
+           "checkpoint.stop_wait_s=3;" in capsys.readouterr().err

@@ -182,8 +182,8 @@ class Launcher:
                 now = time.monotonic()
                 pids = writing_pids(root)
                 writing = [p for p in alive if p.pid in pids]
-                for p in writing:
-                    kill_at[p.pid] = min(now + LEAVE_S, start + self.cfg.checkpoint.stop_wait_s)
+                for p in writing:  # never less than any process gets
+                    kill_at[p.pid] = max(start + LEAVE_S, min(now + LEAVE_S, start + self.cfg.checkpoint.stop_wait_s))
                 if writing and now > start + LEAVE_S and not said:
                     said = True
                     print(f"openprime: waiting for node(s) {sorted({node_of[p.pid] for p in writing})} to finish "
