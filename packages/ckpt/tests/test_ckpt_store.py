@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import pathlib
+import time
 
 import pytest
 import torch
@@ -227,6 +229,9 @@ def test_writing_pids_are_those_of_the_temporary_directories_of_writes_under_way
     (step_dir(tmp_path, 20) / ".tmp-garbled").mkdir()
     assert writing_pids(tmp_path) == {4242, 77}
     assert writing_pids(tmp_path / "nowhere") == set()
+    # A leftover of a writer killed before `since` (an earlier launch) is not a write under way now.
+    os.utime(step_dir(tmp_path, 20) / ".tmp-slot-0-4242-0123abcd", (1.0e9, 1.0e9))
+    assert writing_pids(tmp_path, since=time.time() - 60) == {77}
 
 
 def test_snapshot_reuses_an_earlier_snapshot_memory() -> None:

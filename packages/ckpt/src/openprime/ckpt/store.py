@@ -277,14 +277,16 @@ def resolve(path: pathlib.Path, *, checksums: bool = True, enough: PartsCheck | 
     return latest(path, checksums=checksums, enough=enough)
 
 
-def writing_pids(root: pathlib.Path) -> set[int]:
+def writing_pids(root: pathlib.Path, *, since: float = 0.0) -> set[int]:
     """The processes whose write of a part under `root` is under way: the pids in the names of the temporary
-    directories (`write_part`). A writer killed mid-write leaves its directory until that part's next save: callers
-    compare with processes they know are alive."""
+    directories (`write_part`) modified at `since` (a `time.time()`) or later. A writer killed mid-write leaves its
+    directory until that part's next save: callers compare with processes they know are alive, started after
+    `since` (a leftover whose pid a new process got is older than that process)."""
     pids = set()
     for tmp in root.glob(f"step-*/{TMP_PREFIX}*"):
-        with contextlib.suppress(ValueError, IndexError):
-            pids.add(int(tmp.name.rsplit("-", 2)[1]))
+        with contextlib.suppress(ValueError, IndexError, OSError):  # OSError: renamed or removed since the glob
+            if tmp.stat().st_mtime >= since:
+                pids.add(int(tmp.name.rsplit("-", 2)[1]))
     return pids
 
 

@@ -80,6 +80,7 @@ class Launcher:
         # The number of this launch's first node in the run directory's records: past another launch's nodes when
         # two launches of a run share the directory (one disk), so that their records do not mix.
         self.first_node = first_node
+        self.started_at = time.time()  # a checkpoint write of one of its nodes is newer (Launcher.stop)
         self.resume = resume  # the nodes started first continue from it; later ones join and get the state
         # The first nodes resume the checkpoint's nodes, as many as it holds (it may hold more: a shared disk).
         self._num_resumed = min(num_nodes, len(parts_by_node(resume))) if resume is not None else 0
@@ -180,7 +181,7 @@ class Launcher:
         try:
             while alive := [p for p in everything if p.is_alive()]:
                 now = time.monotonic()
-                pids = writing_pids(root)
+                pids = writing_pids(root, since=self.started_at)
                 writing = [p for p in alive if p.pid in pids]
                 for p in writing:  # never less than any process gets
                     kill_at[p.pid] = max(start + LEAVE_S, min(now + LEAVE_S, start + self.cfg.checkpoint.stop_wait_s))
