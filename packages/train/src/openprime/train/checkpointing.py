@@ -111,11 +111,17 @@ def newest_saved(root: pathlib.Path, *, num_nodes: int = 1) -> int | None:
     return None
 
 
+def saved_nodes(root: pathlib.Path, step: int) -> list[list[str]]:
+    """The parts of the nodes of step `step` under `root` whose parts all finished saving (manifests checked, not
+    checksums), by node; raises CorruptCheckpoint (IncompleteCheckpoint: no node finished) or OSError."""
+    return parts_by_node(usable_nodes(verify_step(root, step, checksums=False, enough=nodes_here(1))))
+
+
 def num_nodes_saved(root: pathlib.Path, step: int) -> int:
-    """How many nodes' parts of step `step` under `root` all finished saving (manifests checked, not checksums);
-    0 when none did or the step is gone (a live run on a shared disk prunes its old steps)."""
+    """How many nodes' parts of step `step` under `root` all finished saving; 0 when none did or the step is gone
+    (a live run on a shared disk prunes its old steps)."""
     try:
-        return len(parts_by_node(usable_nodes(verify_step(root, step, checksums=False, enough=nodes_here(1)))))
+        return len(saved_nodes(root, step))
     except (CorruptCheckpoint, OSError, ValueError, KeyError):
         return 0
 
@@ -352,7 +358,7 @@ def load_model_weights(source: pathlib.Path) -> tuple[ModelConfig, dict[str, tor
     problems = []
     for step in steps:
         try:
-            nodes = parts_by_node(usable_nodes(verify_step(root, step, checksums=False, enough=nodes_here(1))))
+            nodes = saved_nodes(root, step)
         except (CorruptCheckpoint, OSError, ValueError, KeyError) as e:  # IncompleteCheckpoint: a CorruptCheckpoint
             nodes, problems = [], [*problems, f"step {step}: {e}"]
         for names in nodes:
