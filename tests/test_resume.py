@@ -166,10 +166,18 @@ def test_sigterm_or_sighup_stops_the_nodes_as_ctrl_c_does(tmp_path, signum, grou
     assert len(pids) == 2 and all(process_ended(pid) for pid in pids), pids
 
 
-# Loaded by every Python process of the run below (PYTHONPATH): node 0 sends itself SIGTERM the moment its first outer
-# step is done, before the step's records and checkpoint, the stretch where a stop used to leave the step without
-# its part (openprime.train.leaving).
-_STOP_AFTER_THE_FIRST_OUTER_STEP = """
+def _injecting(tmp_path: pathlib.Path, source: str) -> dict[str, str]:
+    """The environment in which every Python process of a run (launcher, fork server, nodes) first runs `source`
+    (a sitecustomize.py on PYTHONPATH): how these tests reach inside the nodes at a chosen moment."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(source)
+    return {"PYTHONPATH": os.pathsep.join([str(inject), os.environ.get("PYTHONPATH", "")])}
+
+
+# Node 0 runs an action (one of the two below) the moment its first outer step is done, before the step's records
+# and checkpoint: the stretch where a stop used to leave the step without its part (openprime.train.leaving).
+_AT_THE_FIRST_OUTER_STEP = """
 import os, signal
 from openprime.train import progress
 
@@ -177,47 +185,30 @@ _step = progress.Progress.step
 
 def step(self, step, loss, lr, step_s, result, **kwargs):
     if result is not None and result.outer_step == 1 and self.n.node == 0:
-        os.kill(os.getpid(), signal.SIGTERM)
+{action}
     return _step(self, step, loss, lr, step_s, result, **kwargs)
 
 progress.Progress.step = step
 """
-
-
-# The same, as a closed terminal does it: node 0's stdout is gone (a pipe nobody reads: writes fail, as a hung-up
-# terminal's fail with EIO) and SIGHUP comes as its first outer step ends.
-_HUNG_UP_AFTER_THE_FIRST_OUTER_STEP = """
-import os, signal
-from openprime.train import progress
-
-_step = progress.Progress.step
-
-def step(self, step, loss, lr, step_s, result, **kwargs):
-    if result is not None and result.outer_step == 1 and self.n.node == 0:
-        read, write = os.pipe()
+_SIGTERM = "        os.kill(os.getpid(), signal.SIGTERM)"
+# As a closed terminal does it: node 0's stdout is gone (a pipe nobody reads: writes fail, as a hung-up terminal's
+# fail with EIO), and SIGHUP comes.
+_HUNG_UP = """        read, write = os.pipe()
         os.close(read)
         os.dup2(write, 1)
-        os.kill(os.getpid(), signal.SIGHUP)
-    return _step(self, step, loss, lr, step_s, result, **kwargs)
-
-progress.Progress.step = step
-"""
+        os.kill(os.getpid(), signal.SIGHUP)"""
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("inject", [_STOP_AFTER_THE_FIRST_OUTER_STEP, _HUNG_UP_AFTER_THE_FIRST_OUTER_STEP],
+@pytest.mark.parametrize(("action", "signum"), [(_SIGTERM, signal.SIGTERM), (_HUNG_UP, signal.SIGHUP)],
                          ids=["SIGTERM", "hung-up"])
-def test_a_node_stopped_as_its_outer_step_ends_saves_that_step_before_it_leaves(tmp_path, inject):
-    signum = signal.SIGTERM if inject is _STOP_AFTER_THE_FIRST_OUTER_STEP else signal.SIGHUP
-    (tmp_path / "inject").mkdir()
-    (tmp_path / "inject" / "sitecustomize.py").write_text(inject)
-    inject = tmp_path / "inject"
+def test_a_node_stopped_as_its_outer_step_ends_saves_that_step_before_it_leaves(tmp_path, action, signum):
+    env = _injecting(tmp_path, _AT_THE_FIRST_OUTER_STEP.format(action=action))
     run_dir = tmp_path / "run"
-    path = os.pathsep.join([str(inject), os.environ.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, "-m", "openprime.train.cli", "run", str(ROOT / "recipes" / "debug.py"),
                            "--run-dir", str(run_dir), *SHORT,
                            "--set", "checkpoint.num_keep=10"],  # node 1 goes on saving: keep its part of step 10
-                          capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONPATH": path})
+                          capture_output=True, text=True, timeout=240, env={**os.environ, **env})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]  # node 1 finished the run
     assert f"node 0 exited with code {128 + signum}" in out, out[-3000:]
@@ -229,8 +220,8 @@ def test_a_node_stopped_as_its_outer_step_ends_saves_that_step_before_it_leaves(
     assert sorted(saved) == [0, 1]
 
 
-# Loaded by every Python process of the run below: every checkpoint write takes WRITE_S longer (in its temporary
-# directory, as a large model's write does), more than the launcher gives a stopped node to leave (LEAVE_S).
+# Every checkpoint write takes `write_s` longer (in its temporary directory, as a large model's write does): more
+# than the launcher gives a stopped node to leave (LEAVE_S).
 _SLOW_WRITES = """
 import time
 import torch.distributed.checkpoint as dcp
@@ -249,13 +240,9 @@ dcp.save = save
 def test_ctrl_c_waits_for_the_checkpoint_writes_under_way(tmp_path):
     """Ctrl-C while both nodes write a checkpoint that takes longer than the launcher's LEAVE_S: the launcher waits
     for the writes (it killed the nodes at 10 s, and the save was lost) and names that checkpoint to continue from."""
-    inject = tmp_path / "inject"
-    inject.mkdir()
-    (inject / "sitecustomize.py").write_text(_SLOW_WRITES.format(write_s=LEAVE_S + 4))
+    env = _injecting(tmp_path, _SLOW_WRITES.format(write_s=LEAVE_S + 4))
     run_dir = tmp_path / "run"
-    path = os.pathsep.join([str(inject), os.environ.get("PYTHONPATH", "")])
-    returncode, out = _signalled_after_the_first_checkpoint(run_dir, signal.SIGINT, group=True,
-                                                            env={"PYTHONPATH": path})
+    returncode, out = _signalled_after_the_first_checkpoint(run_dir, signal.SIGINT, group=True, env=env)
     assert returncode == 130, out[-3000:]
     assert "openprime: waiting for node(s) [0, 1] to finish writing their checkpoint" in out, out[-3000:]
     assert out.count("removed: left (deathrattle)") == 2, out[-3000:]
