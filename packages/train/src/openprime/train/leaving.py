@@ -22,8 +22,7 @@ from collections.abc import Iterator
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 _num_deferring = 0  # how many stop_deferred() blocks the main thread is in
-_pending: list[int] = []  # the stop signal that came inside one, to be honoured at its end
-_received: list[int] = []  # every stop signal this process got
+_received: list[int] = []  # the stop signals this process got (the first one counts)
 
 
 def stop_received() -> bool:
@@ -41,10 +40,8 @@ def leave(signum: int = signal.SIGTERM, *_: object) -> None:
     _received.append(signum)
     for stop in STOP_SIGNALS:
         signal.signal(stop, _ignore)
-    if _num_deferring:
-        _pending.append(signum)
-        return
-    sys.exit(128 + signum)
+    if not _num_deferring:
+        sys.exit(128 + signum)
 
 
 def _ignore(*_: object) -> None:
@@ -61,5 +58,5 @@ def stop_deferred() -> Iterator[None]:
         yield
     finally:
         _num_deferring -= 1
-    if not _num_deferring and _pending:
-        sys.exit(128 + _pending[0])
+    if not _num_deferring and _received:  # a stop outside a block exited at once: this one came inside
+        sys.exit(128 + _received[0])
