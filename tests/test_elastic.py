@@ -145,8 +145,15 @@ def test_a_node_frozen_inside_the_all_reduce_holds_the_others_an_eviction_timeou
     wait_for(launcher.run_dir, lambda rs: any(r["kind"] == "rejoined" and r["node"] == 2 for r in rs))
     _finish(launcher, expected_ok={0, 1, 2}, timeout_s=400)
     # After rejoining, node 2's global state matched the others' at every outer step (hashes_agree above).
-    late = outer_records(run_records(launcher.run_dir), 2)
+    records = run_records(launcher.run_dir)
+    late = outer_records(records, 2)
     assert late[-1]["outer_step"] == launcher.cfg.num_outer_steps
+    # Its records number the steps as the others do, the outer step at which it received the state included
+    # (it was at inner step 30 then, the others further on).
+    at_step = {r["outer_step"]: r["step"] for r in outer_records(records, 0)}
+    assert all(r["step"] == at_step[r["outer_step"]] for r in late), [(r["outer_step"], r["step"]) for r in late]
+    rejoined = next(r for r in records if r["kind"] == "rejoined" and r["node"] == 2)
+    assert rejoined["step"] == at_step[next(r["outer_step"] for r in late if r["received_state"])]
 
 
 @pytest.mark.parametrize("mode", ["blocking", "non_blocking"])

@@ -53,6 +53,10 @@ class Progress:
                                       peak_flops=self.peak_flops, num_devices=cfg.fsdp.num_local_ranks)
         n.write("step", step=step, loss=loss, lr=lr, tokens=n.tokens(step), step_s=step_s,
                 tokens_per_s=tokens_per_s, mfu=mfu, grad_norm=grad_norm, skipped=skipped)
+        # Where the node is now: `step`, unless its outer step gave it the run's state (a rejoin after an
+        # eviction, a node that fell behind), which moved it on to the others' step. What comes after the inner
+        # step is numbered from there, as the others number it.
+        step = n.counters.num_inner_steps_done
         if result is not None:
             self.clock.outer_s += result.total_s
             # Each local rank's ring carries its shard: the node's traffic is the sum over its ranks.
