@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from openprime.ckpt.store import verify_step
-from openprime.train.checkpointing import load_model_weights
+from openprime.train.checkpointing import load_model_weights, newest_saved
 from openprime.train.launcher import LEAVE_S
 from openprime.train.metrics import read_records, summarize
 from openprime.train.model import Llama
@@ -101,17 +101,21 @@ def test_a_corrupt_checkpoint_falls_back_to_the_previous_one(baseline, stopped, 
 
 
 def _signalled_after_the_first_checkpoint(run_dir: pathlib.Path, signum: int, *, group: bool,
-                                         env: dict[str, str] | None = None) -> tuple[int, str]:
+                                         env: dict[str, str] | None = None,
+                                         stdout_gone: bool = False) -> tuple[int, str]:
     """`openprime run` of the short 2-node run, sent `signum` once its first checkpoint is written by both nodes;
     returns its exit code and output. `group`: to the launcher's whole process group, as a terminal's Ctrl-C
     (SIGINT) or hang-up (SIGHUP) and a job scheduler's or systemd's stop (SIGTERM) are; else to the launcher only
     (`kill PID`). (Waiting for one node's record raced the other's save: a stop signal there abandoned that node's
-    part, and the resume then found no complete checkpoint: 1 of 4 fresh-clone CI runs on 2026-12-06.)"""
+    part, and the resume then found no complete checkpoint: 1 of 4 fresh-clone CI runs on 2026-12-06.)
+    `stdout_gone`: stdout is a pipe whose reader is gone right after the signal, as a `| tee` that the same Ctrl-C
+    ended; the output returned is then stderr's."""
     # A shell without job control starts background commands with SIGINT ignored, and their children inherit it
     # (Python then installs no KeyboardInterrupt handler): a suite run that way would see Ctrl-C ignored. The
     # launcher is started as from a terminal, with SIGINT at its default, in a process group of its own.
     proc = subprocess.Popen([sys.executable, "-m", "openprime.train.cli", "run", str(ROOT / "recipes" / "debug.py"),
-                             "--run-dir", str(run_dir), *SHORT], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             "--run-dir", str(run_dir), *SHORT], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE if stdout_gone else subprocess.STDOUT,
                             text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
                             process_group=0, env={**os.environ, **(env or {})})
     try:
@@ -121,7 +125,9 @@ def _signalled_after_the_first_checkpoint(run_dir: pathlib.Path, signum: int, *,
             os.killpg(proc.pid, signum)
         else:
             proc.send_signal(signum)
-        out = proc.communicate(timeout=60)[0]
+        if stdout_gone:
+            proc.stdout.close()
+        out = "".join(o for o in proc.communicate(timeout=60) if o)
     finally:
         if proc.poll() is None:  # the test failed: leave no process of the launch behind
             os.killpg(proc.pid, signal.SIGKILL)
@@ -145,6 +151,22 @@ def test_ctrl_c_stops_the_nodes_and_says_how_to_continue(baseline, tmp_path):
     _run(run_dir, "--resume", "latest")
     final = max(summarize(baseline).distinct_hashes)
     assert summarize(run_dir).distinct_hashes[final] == summarize(baseline).distinct_hashes[final]
+
+
+@pytest.mark.slow
+def test_ctrl_c_of_a_run_piped_to_tee_says_how_to_continue_on_stderr(tmp_path):
+    """`openprime run ... | tee run.log` and Ctrl-C: the tee dies of the SIGINT with the launcher and the nodes
+    alive. The launcher ended with a BrokenPipeError on its checkpoints line and no command to continue with
+    (2026-12-06), and a node that wrote a line before its stop came failed on it. Now the launcher's lines go to
+    stderr once stdout is gone, and a node drops its own until its launcher stops it."""
+    run_dir = tmp_path / "run"
+    returncode, err = _signalled_after_the_first_checkpoint(run_dir, signal.SIGINT, group=True, stdout_gone=True)
+    assert returncode == 130, err[-3000:]
+    assert err.count("removed: left (deathrattle)") == 2, err[-3000:]
+    assert f"continue with `openprime run RECIPE --nodes 2 --run-dir {run_dir} --resume latest`" in err, err[-3000:]
+    assert "Traceback" not in err and "failed" not in err, err[-3000:]
+    root = run_dir / "checkpoints"
+    assert newest_saved(root, num_nodes=2) is not None, sorted(p.name for p in root.rglob("*"))
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """The launcher's view of a stuck node: processes still running when `Launcher.wait` times out print every
 thread's stack to their output, so a rare hang leaves the place it waited on record."""
 
+import io
 import multiprocessing as mp
 import os
 import pathlib
@@ -13,7 +14,7 @@ import time
 import torch
 
 from openprime.ckpt import write_part
-from openprime.train.launcher import Launcher, _print_checkpoints
+from openprime.train.launcher import Launcher, _print_checkpoints, tell
 from openprime.train.processes import NodeProcess, dump_stacks, install_stack_dump, is_stopped, output_to
 from openprime.train.recipe import recipe_config
 from openprime.train.testing import process_ended
@@ -293,3 +294,32 @@ def test_stop_waits_longer_only_for_a_process_whose_checkpoint_write_is_under_wa
     assert 3.0 <= ended["node-1"] - start < 5.0, ended["node-1"] - start  # the write: checkpoint.stop_wait_s
     assert "openprime: waiting for node(s) [1] to finish writing their checkpoint (at most " \
            "checkpoint.stop_wait_s=3;" in capsys.readouterr().err
+
+
+class _GoneStream:
+    """A stream whose reader is gone: every write fails as a pipe's does (EPIPE) or a closed terminal's (EIO)."""
+
+    def __init__(self, error: type[OSError]) -> None:
+        self.error = error
+
+    def write(self, text: str) -> int:
+        raise self.error("gone")
+
+    def flush(self) -> None:
+        raise self.error("gone")
+
+
+def test_the_launchers_lines_go_to_stderr_once_stdout_is_gone_and_are_dropped_when_both_are(monkeypatch, capsys):
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    tell("to stdout")  # capsys's stdout is there
+    monkeypatch.setattr(sys, "stdout", _GoneStream(BrokenPipeError))
+    tell("continue with this")
+    tell("and this", err=True)
+    tell("and then this")  # stdout stays given up: stderr takes the rest
+    assert err.getvalue().splitlines() == ["continue with this", "and this", "and then this"]
+    monkeypatch.setattr(sys, "stderr", _GoneStream(OSError))  # the terminal closed (EIO): nobody can read them
+    monkeypatch.setattr(sys, "stdout", _GoneStream(OSError))
+    tell("dropped")
+    tell("dropped too", err=True)
+    assert capsys.readouterr().out == "to stdout\n"

@@ -103,3 +103,22 @@ def test_a_leaving_node_drops_the_lines_its_gone_terminal_cannot_take():
             sys.stderr.write("dropped ")
     """, out="stderr")
     assert (code, said) == (128 + signal.SIGHUP, ["raised", "dropped"])
+
+
+def test_a_node_goes_on_after_ctrl_c_dropping_the_lines_whose_pipe_it_took_until_its_stop_comes():
+    """`openprime run ... | tee run.log` and Ctrl-C: the SIGINT ends the tee and reaches the node, whose launcher
+    stops it a moment later; until then it goes on, and its lines, with no reader left, are dropped."""
+    code, said = _child("""
+        from openprime.train.leaving import interrupted
+        from openprime.train.metrics import say
+        signal.signal(signal.SIGINT, interrupted)
+        read, write = os.pipe()
+        os.close(read)
+        os.dup2(write, 1)
+        os.kill(os.getpid(), signal.SIGINT)
+        say("the tee took the same Ctrl-C")
+        sys.stderr.write("on ")
+        os.kill(os.getpid(), signal.SIGTERM)
+        sys.stderr.write("never ")
+    """, out="stderr")
+    assert (code, said) == (128 + signal.SIGTERM, ["on"])

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import multiprocessing as mp
+import os
 import pathlib
 import shutil
 import signal
@@ -44,6 +45,34 @@ from openprime.train.processes import (
     node_main,
     usable_cores,
 )
+
+
+def tell(line: str, *, err: bool = False) -> None:
+    """One of the launcher's lines, on stdout (`err`: stderr).
+
+    A stdout that is gone sends this line and the later ones to stderr: `openprime run ... | tee run.log` stopped by
+    Ctrl-C loses its tee to the same SIGINT, and the launcher, which lives on to stop its nodes and wait for their
+    saves, ended with a BrokenPipeError instead of the command that continues the run. A line that neither can take
+    (the terminal is closed too) is dropped: stopping the nodes does not need it.
+    """
+    if not err:
+        try:
+            print(line, flush=True)
+            return
+        except OSError:  # EPIPE: the reader is gone; EIO: the terminal is
+            _stdout_gone()
+    with contextlib.suppress(OSError):
+        print(line, file=sys.stderr, flush=True)
+
+
+def _stdout_gone() -> None:
+    """From now on stdout's lines go to stderr; what its buffer still holds goes nowhere (without this, the exit's
+    flush fails again: "Exception ignored ... BrokenPipeError")."""
+    with contextlib.suppress(AttributeError, OSError, ValueError):  # a stand-in without a file descriptor
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    sys.stdout = sys.stderr
 
 
 def write_run_files(run_dir: pathlib.Path, cfg: RunConfig, *, recipe: pathlib.Path, recipe_files: list[pathlib.Path],
@@ -187,17 +216,17 @@ class Launcher:
                     kill_at[p.pid] = max(start + LEAVE_S, min(now + LEAVE_S, start + self.cfg.checkpoint.stop_wait_s))
                 if writing and now > start + LEAVE_S and not said:
                     said = True
-                    print(f"openprime: waiting for node(s) {sorted({node_of[p.pid] for p in writing})} to finish "
-                          f"writing their checkpoint (at most checkpoint.stop_wait_s="
-                          f"{self.cfg.checkpoint.stop_wait_s:g}; Ctrl-C again kills them and loses that save)",
-                          file=sys.stderr, flush=True)
+                    tell(f"openprime: waiting for node(s) {sorted({node_of[p.pid] for p in writing})} to finish "
+                         f"writing their checkpoint (at most checkpoint.stop_wait_s="
+                         f"{self.cfg.checkpoint.stop_wait_s:g}; Ctrl-C again kills them and loses that save)",
+                         err=True)
                 for p in alive:
                     if now > kill_at[p.pid]:
                         p.kill()
                         p.join()
                 time.sleep(WATCHDOG_POLL_S / 2)
         except KeyboardInterrupt:
-            print("openprime: interrupted again; killing the nodes still there", file=sys.stderr, flush=True)
+            tell("openprime: interrupted again; killing the nodes still there", err=True)
             for p in everything:
                 if p.is_alive():
                     p.kill()
@@ -215,12 +244,12 @@ def launch(cfg: RunConfig, *, num_nodes: int, run_dir: pathlib.Path, coordinator
     launcher = Launcher(cfg, run_dir, num_nodes=num_nodes, coordinator=coordinator, resume=resume,
                         first_node=first_node)
     start = time.monotonic()
-    print(f"openprime: starting {num_nodes} node(s) of {cfg.name!r}; coordinator {launcher.coordinator}; "
-          f"run directory {run_dir}" + (f"; resuming from {resume.path}" if resume else ""), flush=True)
+    tell(f"openprime: starting {num_nodes} node(s) of {cfg.name!r}; coordinator {launcher.coordinator}; "
+         f"run directory {run_dir}" + (f"; resuming from {resume.path}" if resume else ""))
     ranks = cfg.fsdp.num_local_ranks
     if launcher.num_devices and num_nodes > device_blocks(launcher.num_devices, ranks):
-        print(f"openprime: note: {num_nodes} nodes of {ranks} local rank(s) share this machine's "
-              f"{launcher.num_devices} GPU(s): each GPU holds the replicas and memory of several", flush=True)
+        tell(f"openprime: note: {num_nodes} nodes of {ranks} local rank(s) share this machine's "
+             f"{launcher.num_devices} GPU(s): each GPU holds the replicas and memory of several")
     codes: dict[int, int] | None = None
     stopped_by = signal.SIGINT
     with _stopped_by_signals() as ignore_signals:
@@ -229,10 +258,10 @@ def launch(cfg: RunConfig, *, num_nodes: int, run_dir: pathlib.Path, coordinator
                 launcher.start_node()
             codes = launcher.wait()
         except KeyboardInterrupt:
-            print("openprime: interrupted; stopping the nodes (they leave gracefully)", file=sys.stderr)
+            tell("openprime: interrupted; stopping the nodes (they leave gracefully)", err=True)
         except Stopped as e:
             stopped_by = e.signum
-            print(f"openprime: got {e.signum.name}; stopping the nodes (they leave gracefully)", file=sys.stderr)
+            tell(f"openprime: got {e.signum.name}; stopping the nodes (they leave gracefully)", err=True)
         finally:
             ignore_signals()  # a second signal must not cut the stop short
             launcher.stop()
@@ -241,22 +270,22 @@ def launch(cfg: RunConfig, *, num_nodes: int, run_dir: pathlib.Path, coordinator
         return 128 + stopped_by
     failed = {n: c for n, c in codes.items() if c != 0}
     for node, code in failed.items():
-        print(f"openprime: node {node} exited with code {code}; the others went on without it", file=sys.stderr)
+        tell(f"openprime: node {node} exited with code {code}; the others went on without it", err=True)
     if len(failed) == len(codes):
         refused = all(c == REFUSED_EXIT for c in codes.values())
-        print("openprime: run failed: " + ("its nodes were refused or misconfigured; the error above says what to "
-                                           "change before starting them again" if refused else
-                                           "no node finished. See the log above."), file=sys.stderr)
+        tell("openprime: run failed: " + ("its nodes were refused or misconfigured; the error above says what to "
+                                          "change before starting them again" if refused else
+                                          "no node finished. See the log above."), err=True)
         _print_checkpoints(cfg, run_dir, num_nodes=num_nodes, joined=coordinator, how_to_continue=not refused)
         return REFUSED_EXIT if refused else 1
     summary, saved = _print_summary(cfg, run_dir, time.monotonic() - start, num_nodes=num_nodes, joined=coordinator)
     last = summary.last_checkpoint_step
     if last is not None and (saved is None or saved < last):  # trained, but what it trained is not on disk
-        print(f"openprime: error: the run's last checkpoint, of step {last}, did not finish saving (the errors above "
-              f"say why). " + (f"Its newest saved one is step {saved}: free space and continue from it with --resume "
-                               f"latest" if saved is not None else "None of its checkpoints finished saving: free "
-                               "space, or give checkpoint.directory another disk, and start it again"),
-              file=sys.stderr)
+        tell(f"openprime: error: the run's last checkpoint, of step {last}, did not finish saving (the errors above "
+             f"say why). " + (f"Its newest saved one is step {saved}: free space and continue from it with --resume "
+                              f"latest" if saved is not None else "None of its checkpoints finished saving: free "
+                              "space, or give checkpoint.directory another disk, and start it again"),
+             err=True)
         return 1
     return 0
 
@@ -300,14 +329,14 @@ def _print_summary(cfg: RunConfig, run_dir: pathlib.Path, elapsed_s: float, *, n
     """The end of a launch whose nodes finished: what they trained and where it is saved; returns the run's summary
     and its newest saved checkpoint's step."""
     s = summarize(run_dir)
-    print(f"openprime: done in {elapsed_s:.0f}s: {s.num_nodes} nodes, {s.num_outer_steps} outer steps, "
-          f"global state hashes {'identical on every node after every outer step' if s.hashes_agree else 'DIFFER'}")
+    tell(f"openprime: done in {elapsed_s:.0f}s: {s.num_nodes} nodes, {s.num_outer_steps} outer steps, "
+         f"global state hashes {'identical on every node after every outer step' if s.hashes_agree else 'DIFFER'}")
     for node, losses in sorted(s.losses.items()):
         skipped = s.num_skipped.get(node, 0)
-        print(f"  node {node}: loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps, "
-              f"sent {s.bytes_sent.get(node, 0):,} bytes"
-              + (f", {skipped} step(s) skipped for a NaN/inf gradient" if skipped else ""))
-    print(f"  metrics: {run_dir / 'metrics.jsonl'}  config: {run_dir / 'config.json'}")
+        tell(f"  node {node}: loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps, "
+             f"sent {s.bytes_sent.get(node, 0):,} bytes"
+             + (f", {skipped} step(s) skipped for a NaN/inf gradient" if skipped else ""))
+    tell(f"  metrics: {run_dir / 'metrics.jsonl'}  config: {run_dir / 'config.json'}")
     return s, _print_checkpoints(cfg, run_dir, num_nodes=num_nodes, joined=joined)
 
 
@@ -321,7 +350,7 @@ def _print_checkpoints(cfg: RunConfig, run_dir: pathlib.Path, *, num_nodes: int,
         return None
     saved = newest_saved(root)  # a failed save (a full disk) can leave a step that no node finished
     if saved is None:
-        print(f"  checkpoints: none under {root} finished saving (the errors above say why)")
+        tell(f"  checkpoints: none under {root} finished saving (the errors above say why)")
         return None
     # A launch joined to a standalone coordinator (one machine of several) resumes joined to it again.
     join = f" --join {joined}" if joined else ""
@@ -340,6 +369,6 @@ def _print_checkpoints(cfg: RunConfig, run_dir: pathlib.Path, *, num_nodes: int,
                     f"latest`{older}; ")
     unfinished = [step for step in steps if step > saved]
     note = f"; the saves of step(s) {unfinished} did not finish" if unfinished else ""
-    print(f"  checkpoints: {root} (newest: step {saved}{note}); {more}export the model with "
-          f"`openprime export {run_dir} OUT_DIR`")
+    tell(f"  checkpoints: {root} (newest: step {saved}{note}); {more}export the model with "
+         f"`openprime export {run_dir} OUT_DIR`")
     return saved

@@ -97,7 +97,9 @@ def say(line: str) -> None:
 
     A node that is leaving drops a line it cannot write: a closed terminal or ssh session sends SIGHUP and takes the
     node's stdout with it (EIO), and a leaving node still saves the checkpoint of an outer step it just finished
-    (openprime.train.leaving), after that step's lines; it failed there with the write's error instead."""
+    (openprime.train.leaving), after that step's lines; it failed there with the write's error instead. So does a
+    node that got Ctrl-C: its launcher stops it next, and the same SIGINT ended the `tee` its lines went to (EPIPE).
+    A node that is not being stopped still fails on a broken stdout."""
     try:
         sys.stdout.write(line + "\n")
         sys.stdout.flush()
