@@ -1,4 +1,5 @@
-"""A run whose checkpoints cannot be written (a full disk) trains on, and its end says what is lost, non-zero.
+"""A run whose checkpoints cannot be written (a full disk) trains on, and its end says what is lost, non-zero; a
+run whose log cannot be written trains on and ends as it would have.
 
 Found by hand on a 60 MB tmpfs: every save failed, each with one log line, and the run ended "done", exit 0,
 "checkpoints: ... (newest: step 40)", where no checkpoint had been saved at all (the failed saves left empty step
@@ -7,6 +8,7 @@ refuses every write past 1 MiB of a file (EFBIG; Python ignores SIGXFSZ), which 
 well past and the run's metrics are not.
 """
 
+import os
 import pathlib
 import resource
 import subprocess
@@ -14,10 +16,18 @@ import sys
 
 from openprime.ckpt import list_steps
 from openprime.train.metrics import summarize
+from openprime.train.testing import injecting
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SETTINGS = ("train.num_steps=20", "diloco.num_inner_steps=10", "checkpoint.interval_steps=10", "train.seq_len=32",
             "schedule.num_warmup_steps=2", "schedule.num_decay_steps=4", "train.num_threads=1")
+
+
+def _run(run_dir: pathlib.Path, **kwargs) -> subprocess.CompletedProcess:
+    sets = [arg for setting in SETTINGS for arg in ("--set", setting)]
+    return subprocess.run([sys.executable, "-m", "openprime.train.cli", "run", str(ROOT / "recipes" / "debug.py"),
+                           "--nodes", "2", "--run-dir", str(run_dir), *sets],
+                          capture_output=True, text=True, timeout=240, **kwargs)
 
 
 def _one_mib_files() -> None:
@@ -26,10 +36,7 @@ def _one_mib_files() -> None:
 
 def test_a_run_that_saved_no_checkpoint_ends_in_an_error(tmp_path):
     run_dir = tmp_path / "run"
-    sets = [arg for setting in SETTINGS for arg in ("--set", setting)]
-    proc = subprocess.run([sys.executable, "-m", "openprime.train.cli", "run", str(ROOT / "recipes" / "debug.py"),
-                           "--nodes", "2", "--run-dir", str(run_dir), *sets],
-                          capture_output=True, text=True, timeout=240, preexec_fn=_one_mib_files)
+    proc = _run(run_dir, preexec_fn=_one_mib_files)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out[-3000:]
     summary = summarize(run_dir)
@@ -41,3 +48,34 @@ def test_a_run_that_saved_no_checkpoint_ends_in_an_error(tmp_path):
     assert "the run's last checkpoint, of step 20, did not finish saving" in out
     assert "None of its checkpoints finished saving: free space" in out
     assert list_steps(run_dir / "checkpoints") == []  # no step directory that would read as a checkpoint
+
+
+# Every node's stdout moves to /dev/full (ENOSPC on every write) once its first outer step is done: the disk under
+# `openprime run ... > run.log`, which the checkpoints share, is full from then on.
+_LOG_DISK_FILLS = """
+import os
+from openprime.train import progress
+
+_step = progress.Progress.step
+
+def step(self, step, loss, lr, step_s, result, **kwargs):
+    if result is not None and result.outer_step == 1:
+        os.dup2(os.open("/dev/full", os.O_WRONLY), 1)
+    return _step(self, step, loss, lr, step_s, result, **kwargs)
+
+progress.Progress.step = step
+"""
+
+
+def test_a_run_whose_log_cannot_be_written_trains_to_its_end(tmp_path):
+    """Every node failed on its next progress line (OSError: No space left on device), and the run ended there:
+    found by hand with the log under a file-size limit, 2026-12-06. Now each node warns once and trains on."""
+    run_dir = tmp_path / "run"
+    proc = _run(run_dir, env={**os.environ, **injecting(tmp_path, _LOG_DISK_FILLS)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("its output cannot be written ([Errno 28] No space left on device); it trains on") == 2
+    assert "failed" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    summary = summarize(run_dir)
+    assert {node: len(losses) for node, losses in summary.losses.items()} == {0: 20, 1: 20}
+    assert summary.hashes_agree and summary.last_checkpoint_step == 20
+    assert "[node 0] step 20/20" not in proc.stdout  # it went to the full disk, not to this pipe

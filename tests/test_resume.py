@@ -21,7 +21,14 @@ from openprime.train.checkpointing import load_model_weights, newest_saved
 from openprime.train.launcher import LEAVE_S
 from openprime.train.metrics import read_records, summarize
 from openprime.train.model import Llama
-from openprime.train.testing import free_port, node_pids, process_ended, serve_coordinator, wait_for
+from openprime.train.testing import (
+    free_port,
+    injecting,
+    node_pids,
+    process_ended,
+    serve_coordinator,
+    wait_for,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Sequences of 32 tokens, not 128: bit-identity does not need the compute (it made up most of these tests' time).
@@ -158,7 +165,7 @@ def test_ctrl_c_of_a_run_piped_to_tee_says_how_to_continue_on_stderr(tmp_path):
     """`openprime run ... | tee run.log` and Ctrl-C: the tee dies of the SIGINT with the launcher and the nodes
     alive. The launcher ended with a BrokenPipeError on its checkpoints line and no command to continue with
     (2026-12-06), and a node that wrote a line before its stop came failed on it. Now the launcher's lines go to
-    stderr once stdout is gone, and a node drops its own until its launcher stops it."""
+    stderr once stdout is gone, and a node drops the lines it cannot write (openprime.train.metrics.say)."""
     run_dir = tmp_path / "run"
     returncode, err = _signalled_after_the_first_checkpoint(run_dir, signal.SIGINT, group=True, stdout_gone=True)
     assert returncode == 130, err[-3000:]
@@ -186,15 +193,6 @@ def test_sigterm_or_sighup_stops_the_nodes_as_ctrl_c_does(tmp_path, signum, grou
     assert "Traceback" not in out, out[-3000:]
     pids = node_pids(read_records(run_dir))
     assert len(pids) == 2 and all(process_ended(pid) for pid in pids), pids
-
-
-def _injecting(tmp_path: pathlib.Path, source: str) -> dict[str, str]:
-    """The environment in which every Python process of a run (launcher, fork server, nodes) first runs `source`
-    (a sitecustomize.py on PYTHONPATH): how these tests reach inside the nodes at a chosen moment."""
-    inject = tmp_path / "inject"
-    inject.mkdir()
-    (inject / "sitecustomize.py").write_text(source)
-    return {"PYTHONPATH": os.pathsep.join([str(inject), os.environ.get("PYTHONPATH", "")])}
 
 
 # Node 0 runs an action (one of the two below) the moment its first outer step is done, before the step's records
@@ -225,7 +223,7 @@ _HUNG_UP = """        read, write = os.pipe()
 @pytest.mark.parametrize(("action", "signum"), [(_SIGTERM, signal.SIGTERM), (_HUNG_UP, signal.SIGHUP)],
                          ids=["SIGTERM", "hung-up"])
 def test_a_node_stopped_as_its_outer_step_ends_saves_that_step_before_it_leaves(tmp_path, action, signum):
-    env = _injecting(tmp_path, _AT_THE_FIRST_OUTER_STEP.format(action=action))
+    env = injecting(tmp_path, _AT_THE_FIRST_OUTER_STEP.format(action=action))
     run_dir = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "openprime.train.cli", "run", str(ROOT / "recipes" / "debug.py"),
                            "--run-dir", str(run_dir), *SHORT,
@@ -262,7 +260,7 @@ dcp.save = save
 def test_ctrl_c_waits_for_the_checkpoint_writes_under_way(tmp_path):
     """Ctrl-C while both nodes write a checkpoint that takes longer than the launcher's LEAVE_S: the launcher waits
     for the writes (it killed the nodes at 10 s, and the save was lost) and names that checkpoint to continue from."""
-    env = _injecting(tmp_path, _SLOW_WRITES.format(write_s=LEAVE_S + 4))
+    env = injecting(tmp_path, _SLOW_WRITES.format(write_s=LEAVE_S + 4))
     run_dir = tmp_path / "run"
     returncode, out = _signalled_after_the_first_checkpoint(run_dir, signal.SIGINT, group=True, env=env)
     assert returncode == 130, out[-3000:]

@@ -23,22 +23,11 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 _num_deferring = 0  # how many stop_deferred() blocks the main thread is in
 _received: list[int] = []  # the stop signals this process got (the first one counts)
-_interrupted: list[int] = []  # a Ctrl-C reached this node (its launcher stops it next)
 
 
 def stop_received() -> bool:
-    """This process got a stop signal: it is leaving (now, or at the end of a `stop_deferred()` block); or it got
-    the Ctrl-C for which its launcher stops it next."""
-    return bool(_received or _interrupted)
-
-
-def interrupted(signum: int = signal.SIGINT, *_: object) -> None:
-    """The node's SIGINT handler. Ctrl-C in a terminal reaches the launcher and every node (one process group); a
-    node that took it ended at once, with no deathrattle, and its checkpoint write under way was lost. The node
-    goes on: its launcher stops it (SIGTERM, `leave`) a moment later. Until then its lines may have nowhere to go:
-    the same Ctrl-C ends the `tee` of `openprime run ... | tee run.log`, and a write to that pipe failed the node
-    with BrokenPipeError before its stop came (openprime.train.metrics.say drops them once this ran)."""
-    _interrupted.append(signum)
+    """This process got a stop signal: it is leaving (now, or at the end of a `stop_deferred()` block)."""
+    return bool(_received)
 
 
 def leave(signum: int = signal.SIGTERM, *_: object) -> None:

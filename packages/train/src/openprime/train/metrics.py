@@ -10,9 +10,11 @@ written is dropped with one warning per node, and the readers skip a line a shor
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
+import multiprocessing as mp
 import os
 import pathlib
 import sys
@@ -95,17 +97,27 @@ def model_flops_utilisation(*, tokens_per_s: float, flops_per_token: float, peak
 def say(line: str) -> None:
     """Print one line with a single write, so that lines of concurrent nodes never tear.
 
-    A node that is leaving drops a line it cannot write: a closed terminal or ssh session sends SIGHUP and takes the
-    node's stdout with it (EIO), and a leaving node still saves the checkpoint of an outer step it just finished
-    (openprime.train.leaving), after that step's lines; it failed there with the write's error instead. So does a
-    node that got Ctrl-C: its launcher stops it next, and the same SIGINT ended the `tee` its lines went to (EPIPE).
-    A node that is not being stopped still fails on a broken stdout."""
+    A line that cannot be written is dropped, and training goes on: with `openprime run ... > run.log` on the disk
+    that the checkpoints fill, every node failed on its next progress line at the same step (ENOSPC; EFBIG under
+    a file-size limit, 2026-12-06), which ended the run that the checkpoints' and metrics' own handling of a full
+    disk keeps going. The same for a reader that is gone (EPIPE: a `tee` that ended) and a closed terminal (EIO).
+    The first such line warns on stderr, unless the node is leaving (a closed terminal's SIGHUP:
+    openprime.train.leaving), where that is expected. Lines are written again once they can be (the disk has room);
+    the metrics file keeps every record it can meanwhile."""
     try:
         sys.stdout.write(line + "\n")
         sys.stdout.flush()
-    except OSError:
-        if not stop_received():
-            raise
+    except OSError as e:
+        global _num_unsaid
+        if not _num_unsaid and not stop_received():
+            with contextlib.suppress(OSError):  # stderr may be the same full file
+                print(f"[{mp.current_process().name}] its output cannot be written ({e}); it trains on without it "
+                      f"(this warning is not repeated; the run's metrics.jsonl has its records)",
+                      file=sys.stderr, flush=True)
+        _num_unsaid += 1
+
+
+_num_unsaid = 0  # lines that say() could not write
 
 
 # Whose INFO records a node prints: live recovery, whose transfers (30-60 minutes in INTELLECT-1) say how far they are.

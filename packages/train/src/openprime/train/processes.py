@@ -31,7 +31,7 @@ from openprime.core.transport import Rendezvous
 from openprime.mesh import JoinRefused
 from openprime.train.config import RunConfig
 from openprime.train.guard import Diverged
-from openprime.train.leaving import STOP_SIGNALS, interrupted, leave
+from openprime.train.leaving import STOP_SIGNALS, leave
 from openprime.train.metrics import show_info_logs
 from openprime.train.trainer import run_node
 
@@ -239,7 +239,10 @@ def node_main(cfg: RunConfig, node: int, coordinator: str, run_dir: pathlib.Path
     """The body of one node process (one local rank): SIGTERM leaves gracefully (the deathrattle), errors exit 1."""
     for stop in STOP_SIGNALS:
         signal.signal(stop, leave)
-    signal.signal(signal.SIGINT, interrupted)  # Ctrl-C: the launcher stops the node (SIGTERM) a moment later
+    # Ctrl-C in a terminal sends SIGINT to the launcher and every node (one process group); a node that took it
+    # ended at once, with no deathrattle and no line, and its checkpoint write under way was lost (2026-12-06). The
+    # launcher's handler stops the nodes (SIGTERM: they leave gracefully).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     install_stack_dump()
     if local_rank == 0:  # it speaks for the node (its other ranks' transfers are the same size and pace)
         show_info_logs(node)

@@ -1,5 +1,6 @@
-"""Helpers for tests that watch a run's metrics while its node processes train (tests/test_elastic*.py), and a
-standalone coordinator for nodes launched separately (tests/test_resume.py).
+"""Helpers for tests that watch a run's metrics while its node processes train (tests/test_elastic*.py), a
+standalone coordinator for nodes launched separately (tests/test_resume.py), and a way into a run's processes
+(`injecting`).
 
 Test modules run under --import-mode=importlib and cannot import each other, so what several of them need
 lives here, as openprime.core.testing does for the transports. Every wait is bounded.
@@ -8,6 +9,7 @@ lives here, as openprime.core.testing does for the transports. Every wait is bou
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import pathlib
 import socket
 import subprocess
@@ -105,3 +107,13 @@ def serve_coordinator(port: int, *, min_nodes: int, store_port: int | None = Non
     return subprocess.Popen([sys.executable, "-m", "openprime.train.cli", "mesh", "serve", "--bind",
                              f"tcp://127.0.0.1:{port}", *store, "--min-nodes", str(min_nodes), *sets],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def injecting(directory: pathlib.Path, source: str) -> dict[str, str]:
+    """The environment in which every Python process of a run (launcher, fork server, nodes) first runs `source`
+    (a sitecustomize.py, written under `directory`, on PYTHONPATH): how tests reach inside the nodes at a chosen
+    moment."""
+    inject = directory / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(source)
+    return {"PYTHONPATH": os.pathsep.join([str(inject), os.environ.get("PYTHONPATH", "")])}
