@@ -14,7 +14,7 @@ import time
 import torch
 
 from openprime.ckpt import write_part
-from openprime.train.launcher import Launcher, _print_checkpoints, tell
+from openprime.train.launcher import Launcher, _print_checkpoints, ended_how, tell
 from openprime.train.processes import NodeProcess, dump_stacks, install_stack_dump, is_stopped, output_to
 from openprime.train.recipe import recipe_config
 from openprime.train.testing import process_ended
@@ -323,3 +323,12 @@ def test_the_launchers_lines_go_to_stderr_once_stdout_is_gone_and_are_dropped_wh
     tell("dropped")
     tell("dropped too", err=True)
     assert capsys.readouterr().out == "to stdout\n"
+
+
+def test_a_nodes_end_is_told_by_its_signal():
+    assert ended_how(1) == "exited with code 1"
+    assert ended_how(143) == "exited with code 143 (it left on SIGTERM)"
+    assert ended_how(129) == "exited with code 129 (it left on SIGHUP)"
+    assert ended_how(-9).startswith("was killed by SIGKILL (out of memory? The kernel's OOM killer")
+    assert ended_how(-11) == "was killed by SIGSEGV"
+    assert ended_how(-200) == "was killed by signal 200"

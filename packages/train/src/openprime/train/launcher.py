@@ -270,7 +270,7 @@ def launch(cfg: RunConfig, *, num_nodes: int, run_dir: pathlib.Path, coordinator
         return 128 + stopped_by
     failed = {n: c for n, c in codes.items() if c != 0}
     for node, code in failed.items():
-        tell(f"openprime: node {node} exited with code {code}; the others went on without it", err=True)
+        tell(f"openprime: node {node} {ended_how(code)}; the others went on without it", err=True)
     if len(failed) == len(codes):
         refused = all(c == REFUSED_EXIT for c in codes.values())
         tell("openprime: run failed: " + ("its nodes were refused or misconfigured; the error above says what to "
@@ -288,6 +288,21 @@ def launch(cfg: RunConfig, *, num_nodes: int, run_dir: pathlib.Path, coordinator
              err=True)
         return 1
     return 0
+
+
+def ended_how(exit_code: int) -> str:
+    """How a node process ended, for a person: a negative code is the signal that killed it (multiprocessing's
+    convention), 128 + a stop signal is a node that left on it (openprime.train.leaving)."""
+    if exit_code < 0:
+        try:
+            name = signal.Signals(-exit_code).name
+        except ValueError:
+            name = f"signal {-exit_code}"
+        oom = " (out of memory? The kernel's OOM killer sends SIGKILL; `dmesg | grep -i oom` says)"
+        return f"was killed by {name}" + (oom if -exit_code == signal.SIGKILL else "")
+    if exit_code - 128 in STOP_SIGNALS:
+        return f"exited with code {exit_code} (it left on {signal.Signals(exit_code - 128).name})"
+    return f"exited with code {exit_code}"
 
 
 class Stopped(Exception):
