@@ -142,6 +142,21 @@ def test_resuming_an_older_step_than_the_run_directory_holds_is_refused(capsys, 
     assert "Move them out of" in err
 
 
+def test_a_resume_says_first_that_it_checks_a_large_checkpoints_checksums(capsys, tmp_path, monkeypatch):
+    # A 10B model's node holds about 200 GB: minutes of SHA-256 in which the command said nothing. Here every
+    # checkpoint counts as large; the resume is then refused (another model), after the line.
+    from openprime.ckpt import store, write_part
+
+    monkeypatch.setattr(store, "SAY_CHECKING_BYTES", 1)
+    root = tmp_path / "run" / "checkpoints"
+    write_part(root, 20, "slot-0", {"model": {"w": torch.zeros(2)}}, parts=["slot-0"])
+    assert main(["run", DEBUG, "--nodes", "1", "--run-dir", str(tmp_path / "run"), "--resume", "latest"]) == 2
+    err = capsys.readouterr().err
+    checking = f"openprime: checking the SHA-256 checksums of {root / 'step-00000020'}: 0.0 GB in 1 part(s), about 0 s"
+    assert checking in err, err
+    assert err.index(checking) < err.index("has no tensor 'model/tok_embeddings.weight'"), err
+
+
 def test_nodes_must_be_positive(capsys, tmp_path):
     assert "--nodes must be >= 1" in _fails(capsys, tmp_path, DEBUG, "--nodes", "0")
 

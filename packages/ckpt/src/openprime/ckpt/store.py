@@ -39,11 +39,17 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from openprime.ckpt.manifest import CorruptCheckpoint, fsync_path, verify_manifest, write_manifest
+from openprime.ckpt.manifest import CorruptCheckpoint, fsync_path, read_manifest, verify_manifest, write_manifest
 from openprime.ckpt.state import flatten, unflatten
 from openprime.core.errors import ConfigError, OpenPrimeError
 
 log = logging.getLogger("openprime.ckpt")
+# What a long check of checksums says before it starts (at INFO): the `openprime` command shows it.
+verify_log = logging.getLogger("openprime.ckpt.verify")
+# A node of a 10B model holds about 200 GB (fp32 weights, AdamW's two moments, DiLoCo's copy and momentum): minutes
+# of SHA-256 before a resume starts, in which it said nothing. A check of this much or more says so first.
+SAY_CHECKING_BYTES = 1 << 30
+CHECKSUM_BYTES_PER_S = 1.0e9  # SHA-256 on one core, roughly (manifest.py: about 1.2 GB/s here)
 STATE_FILE = "state.json"
 STEP_RE = re.compile(r"^step-(\d{8,})$")
 TMP_PREFIX = ".tmp-"
@@ -224,6 +230,8 @@ def verify_step(root: pathlib.Path, step: int, *, checksums: bool = True,
     present = sorted(p.name for p in path.iterdir() if p.is_dir() and not p.name.startswith(TMP_PREFIX))
     if not present:
         raise CorruptCheckpoint(path, "no part finished saving")
+    if checksums:
+        _say_checking(path, present)
     if enough is not None:
         good, named, problems = [], set(), []
         for part in present:
@@ -249,6 +257,17 @@ def verify_step(root: pathlib.Path, step: int, *, checksums: bool = True,
         if part != present[0]:
             verify_manifest(path / part, checksums=checksums)
     return Checkpoint(step=step, path=path, parts=tuple(parts), verified=checksums)
+
+
+def _say_checking(path: pathlib.Path, parts: Sequence[str]) -> None:
+    """Log (INFO, verify_log) the size and rough duration of checking these parts' checksums, when it is long."""
+    total = 0
+    for part in parts:
+        with contextlib.suppress(CorruptCheckpoint, OSError, ValueError, KeyError, TypeError):  # verify says why
+            total += sum(int(f["bytes"]) for f in read_manifest(path / part)["files"].values())
+    if total >= SAY_CHECKING_BYTES:
+        verify_log.info("checking the SHA-256 checksums of %s: %.1f GB in %d part(s), about %.0f s", path,
+                        total / 1e9, len(parts), total / CHECKSUM_BYTES_PER_S)
 
 
 def latest(root: pathlib.Path, *, checksums: bool = True, enough: PartsCheck | None = None) -> Checkpoint:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import pathlib
 import signal
 import socket
@@ -29,7 +30,7 @@ import attrs
 import torch
 
 from openprime.ckpt import Checkpoint, check_compatible, list_steps
-from openprime.ckpt.store import part_info
+from openprime.ckpt.store import part_info, verify_log
 from openprime.core.config import override_all, split_overrides
 from openprime.core.errors import ConfigError, OpenPrimeError
 from openprime.mesh import Coordinator, MeshConfig
@@ -265,7 +266,19 @@ def dry_run(cfg: RunConfig, num_nodes: int) -> None:
     planner.check_fits(cfg, plan.gpu)
 
 
+class _SayOnStderr(logging.Handler):
+    """A library's word meant for the person at the command (openprime.ckpt's "checking the checksums of ...
+    about 200 s" before a resume's nodes start), as one of the command's own lines."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with contextlib.suppress(OSError):
+            print(f"openprime: {record.getMessage()}", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
+    if not any(isinstance(h, _SayOnStderr) for h in verify_log.handlers):  # once per process (tests call main often)
+        verify_log.addHandler(_SayOnStderr())
+        verify_log.setLevel(logging.INFO)
     try:
         return _main(argv)
     except KeyboardInterrupt:  # before the nodes started (a launch handles its own): the data, a checksum check
