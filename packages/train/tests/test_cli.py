@@ -379,3 +379,32 @@ def test_ctrl_c_before_the_nodes_start_exits_130_without_a_traceback(capsys, tmp
     monkeypatch.setattr("openprime.train.launcher.launch", interrupted)
     assert main(["run", DEBUG, "--run-dir", str(tmp_path / "run")]) == 130
     assert capsys.readouterr().err == "openprime: interrupted\n"
+
+
+def test_a_missing_dataset_is_one_message_before_anything_is_written(capsys, tmp_path):
+    # It was a traceback out of the launch, after the run directory had been made.
+    recipe = tmp_path / "missing_data.py"
+    recipe.write_text(f"""
+import pathlib
+import attrs
+from openprime.train.data import WeightedSource
+from openprime.train.recipe import load_recipe
+
+base = load_recipe(pathlib.Path({DEBUG!r}))
+
+
+def config():
+    cfg = base.config()
+    fineweb = WeightedSource(source={str(tmp_path / 'fineweb')!r})
+    return attrs.evolve(cfg, data=attrs.evolve(cfg.data, mixture=(fineweb,)))
+""")
+    err = _fails(capsys, tmp_path, str(recipe))
+    assert f"{tmp_path / 'fineweb'} does not exist; download the data there" in err, err
+
+
+def test_an_unwritable_data_cache_is_one_message_naming_the_setting(capsys, tmp_path):
+    not_a_directory = tmp_path / "file"
+    not_a_directory.write_text("")
+    err = _fails(capsys, tmp_path, DEBUG, "--set", f"data.cache_dir={not_a_directory}")
+    assert f"cannot write the data cache {not_a_directory}" in err, err
+    assert "set data.cache_dir (--set data.cache_dir=DIR) or $OPENPRIME_CACHE" in err

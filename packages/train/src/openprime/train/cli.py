@@ -35,6 +35,7 @@ from openprime.core.config import override_all, split_overrides
 from openprime.core.errors import ConfigError, OpenPrimeError
 from openprime.mesh import Coordinator, MeshConfig
 from openprime.train.config import RunConfig, TransportKind
+from openprime.train.data import prepare_data
 from openprime.train.hardware import check_hardware
 from openprime.train.metrics import METRICS_FILE, records_of_kind
 from openprime.train.model import Llama, count_parameters
@@ -312,6 +313,9 @@ def _main(argv: list[str] | None) -> int:
             dry_run(cfg, args.nodes)
             return 0
         check_hardware(cfg, num_nodes=args.nodes)  # on CUDA: GPUs for the local ranks, large enough for the nodes
+        # The tokenizer and the token streams (cached): a missing dataset or an unwritable cache is said here,
+        # before a run directory is made (it was a traceback out of the launch).
+        prepare_data(cfg.data)
     except ConfigError as e:
         return _error(str(e))
 

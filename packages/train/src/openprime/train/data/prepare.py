@@ -147,16 +147,28 @@ def cache_key(cfg: DataConfig) -> str:
 
 def _atomic_write(path: pathlib.Path, write: Any) -> None:
     """Call write(file) on a temporary file next to `path`, then move it into place atomically."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise _unwritable_cache(path.parent, e) from e
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         pathlib.Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise _unwritable_cache(path.parent, e) from e
         raise
+
+
+def _unwritable_cache(directory: pathlib.Path, e: OSError) -> ConfigError:
+    """A read-only home (a container's), a full disk: said as what to change, not as a traceback."""
+    return ConfigError(f"cannot write the data cache {directory}: {e.strerror or e} ({e.filename or directory}); set "
+                       f"data.cache_dir (--set data.cache_dir=DIR) or $OPENPRIME_CACHE to a directory this user can "
+                       f"write, with room for the tokenized data")
 
 
 def progress(message: str) -> None:
@@ -208,7 +220,10 @@ def prepare_data(cfg: DataConfig) -> PreparedData:
     meta = _read_complete_entry(directory, key)
     if meta is not None:
         return _prepared_from_meta(directory, meta, cfg.val_fraction)
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _unwritable_cache(directory, e) from e
 
     start = time.perf_counter()
     per_source = read_mixture(cfg)
