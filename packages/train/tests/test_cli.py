@@ -408,3 +408,16 @@ def test_an_unwritable_data_cache_is_one_message_naming_the_setting(capsys, tmp_
     err = _fails(capsys, tmp_path, DEBUG, "--set", f"data.cache_dir={not_a_directory}")
     assert f"cannot write the data cache {not_a_directory}" in err, err
     assert "set data.cache_dir (--set data.cache_dir=DIR) or $OPENPRIME_CACHE" in err
+
+
+@pytest.mark.parametrize("key", ["mesh.secret_file", "transport.options.auth.secret_file"])
+def test_a_secret_file_that_cannot_be_read_or_is_short_is_one_message_naming_its_setting(capsys, tmp_path, key):
+    # Found by the coordinator (a traceback from the launcher) or by every node (each refused), after the run
+    # directory was made.
+    missing = tmp_path / "missing.secret"
+    err = _fails(capsys, tmp_path, DEBUG, "--transport", "tcp", "--set", f"{key}={missing}")
+    assert f"{key}: cannot read {missing}: No such file or directory" in err, err
+    short = tmp_path / "short.secret"
+    short.write_text("0123456789\n")
+    err = _fails(capsys, tmp_path, DEBUG, "--transport", "tcp", "--set", f"{key}={short}")
+    assert f"{key}: the secret in {short} is 10 bytes; use at least 16" in err, err

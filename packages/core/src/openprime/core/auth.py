@@ -33,17 +33,18 @@ class AuthConfig:
                         validator=instance_of(str))
     secret_file: str | None = field(None, doc="file holding the shared secret (None: no authentication)")
 
-    def load_secret(self) -> bytes | None:
-        """The secret's bytes (stripped of surrounding whitespace), or None."""
+    def load_secret(self, setting: str = "AuthConfig.secret_file") -> bytes | None:
+        """The secret's bytes (stripped of surrounding whitespace), or None; errors name `setting` (the key the user
+        set it with, e.g. mesh.secret_file)."""
         if self.secret_file is None:
             return None
         path = pathlib.Path(self.secret_file).expanduser()
         try:
             secret = path.read_bytes().strip()
         except OSError as e:
-            raise ConfigError(f"AuthConfig.secret_file: cannot read {path}: {e.strerror}") from None
+            raise ConfigError(f"{setting}: cannot read {path}: {e.strerror}") from None
         if len(secret) < 16:
-            raise ConfigError(f"AuthConfig.secret_file: the secret in {path} is {len(secret)} bytes; use at "
+            raise ConfigError(f"{setting}: the secret in {path} is {len(secret)} bytes; use at "
                               "least 16 (e.g. `openssl rand -hex 32 > FILE`)")
         return secret
 

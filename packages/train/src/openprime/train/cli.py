@@ -31,6 +31,7 @@ import torch
 
 from openprime.ckpt import Checkpoint, check_compatible, list_steps
 from openprime.ckpt.store import part_info, verify_log
+from openprime.core.auth import AuthConfig
 from openprime.core.config import override_all, split_overrides
 from openprime.core.errors import ConfigError, OpenPrimeError
 from openprime.mesh import Coordinator, MeshConfig
@@ -309,6 +310,7 @@ def _main(argv: list[str] | None) -> int:
         cfg = recipe_config(args.recipe, overrides)
         check_installed(cfg.transport)
         codec_for(cfg.diloco.compression)
+        check_secrets(cfg)
         if args.dry_run:
             dry_run(cfg, args.nodes)
             return 0
@@ -336,6 +338,14 @@ def _main(argv: list[str] | None) -> int:
         in_use = False
     with lock:
         return _start(args, cfg, run_dir, overrides, in_use=in_use)
+
+
+def check_secrets(cfg: RunConfig) -> None:
+    """The secret files the run signs with can be read and are long enough (ConfigError naming the setting): the
+    coordinator and the nodes read them as they start, and a missing one was a traceback from the launcher or a
+    refusal of every node, after the run directory was made."""
+    cfg.transport.options.auth.load_secret("transport.options.auth.secret_file")
+    AuthConfig(run_id=cfg.mesh.run_id, secret_file=cfg.mesh.secret_file).load_secret("mesh.secret_file")
 
 
 def _unwritable(run_dir: pathlib.Path, e: OSError) -> int:
