@@ -270,7 +270,8 @@ def launch(cfg: RunConfig, *, num_nodes: int, run_dir: pathlib.Path, coordinator
         return 128 + stopped_by
     failed = {n: c for n, c in codes.items() if c != 0}
     for node, code in failed.items():
-        tell(f"openprime: node {node} {ended_how(code)}; the others went on without it", err=True)
+        tell(f"openprime: node {node} {ended_how(code)}" + ("; the others went on without it"
+                                                           if len(failed) < len(codes) else ""), err=True)
     if len(failed) == len(codes):
         refused = all(c == REFUSED_EXIT for c in codes.values())
         tell("openprime: run failed: " + ("its nodes were refused or misconfigured; the error above says what to "
