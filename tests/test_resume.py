@@ -107,23 +107,34 @@ def test_a_corrupt_checkpoint_falls_back_to_the_previous_one(baseline, stopped, 
     assert summarize(run_dir).distinct_hashes[6] == summarize(baseline).distinct_hashes[6]  # from 20 to the same end
 
 
+def _as_from_a_terminal() -> None:
+    """The signals of a command started from a terminal, whatever this suite inherited: a shell without job control
+    starts background commands with SIGINT ignored (Python then installs no KeyboardInterrupt handler), `nohup`
+    with SIGHUP ignored, and the children inherit both; a suite run that way would see Ctrl-C or a hang-up
+    ignored (a launch keeps an inherited SIGHUP ignored: leaving.stop_signals_handled)."""
+    for signum in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_DFL)
+
+
+def _under_nohup() -> None:
+    _as_from_a_terminal()
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+
 def _signalled_after_the_first_checkpoint(run_dir: pathlib.Path, signum: int, *, group: bool,
-                                         env: dict[str, str] | None = None,
-                                         stdout_gone: bool = False) -> tuple[int, str]:
+                                         env: dict[str, str] | None = None, stdout_gone: bool = False,
+                                         nohup: bool = False) -> tuple[int, str]:
     """`openprime run` of the short 2-node run, sent `signum` once its first checkpoint is written by both nodes;
     returns its exit code and output. `group`: to the launcher's whole process group, as a terminal's Ctrl-C
     (SIGINT) or hang-up (SIGHUP) and a job scheduler's or systemd's stop (SIGTERM) are; else to the launcher only
     (`kill PID`). (Waiting for one node's record raced the other's save: a stop signal there abandoned that node's
     part, and the resume then found no complete checkpoint: 1 of 4 fresh-clone CI runs on 2026-12-06.)
     `stdout_gone`: stdout is a pipe whose reader is gone right after the signal, as a `| tee` that the same Ctrl-C
-    ended; the output returned is then stderr's."""
-    # A shell without job control starts background commands with SIGINT ignored, and their children inherit it
-    # (Python then installs no KeyboardInterrupt handler): a suite run that way would see Ctrl-C ignored. The
-    # launcher is started as from a terminal, with SIGINT at its default, in a process group of its own.
+    ended; the output returned is then stderr's. `nohup`: started as `nohup` starts it, with SIGHUP ignored."""
     proc = subprocess.Popen([sys.executable, "-m", "openprime.train.cli", "run", str(ROOT / "recipes" / "debug.py"),
                              "--run-dir", str(run_dir), *SHORT], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE if stdout_gone else subprocess.STDOUT,
-                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+                            text=True, preexec_fn=_under_nohup if nohup else _as_from_a_terminal,
                             process_group=0, env={**os.environ, **(env or {})})
     try:
         wait_for(run_dir, lambda records: len({r["node"] for r in records if r["kind"] == "checkpoint"}) == 2,
@@ -195,6 +206,17 @@ def test_sigterm_or_sighup_stops_the_nodes_as_ctrl_c_does(tmp_path, signum, grou
     assert len(pids) == 2 and all(process_ended(pid) for pid in pids), pids
 
 
+@pytest.mark.slow
+def test_a_launch_under_nohup_trains_on_through_a_hang_up(tmp_path):
+    """`nohup openprime run ... &`: the shell's SIGHUP to its jobs when the ssh session drops must not stop the run.
+    The launcher and its nodes put handlers in place of nohup's SIG_IGN, and the run stopped (2026-12-06)."""
+    run_dir = tmp_path / "run"
+    returncode, out = _signalled_after_the_first_checkpoint(run_dir, signal.SIGHUP, group=True, nohup=True)
+    assert returncode == 0, out[-3000:]
+    assert "got SIGHUP" not in out and "leaving the run" not in out, out[-3000:]
+    assert "openprime: done in" in out and "(newest: step 60)" in out, out[-3000:]
+
+
 # Node 0 runs an action (one of the two below) the moment its first outer step is done, before the step's records
 # and checkpoint: the stretch where a stop used to leave the step without its part (openprime.train.leaving).
 _AT_THE_FIRST_OUTER_STEP = """
@@ -228,7 +250,8 @@ def test_a_node_stopped_as_its_outer_step_ends_saves_that_step_before_it_leaves(
     proc = subprocess.run([sys.executable, "-m", "openprime.train.cli", "run", str(ROOT / "recipes" / "debug.py"),
                            "--run-dir", str(run_dir), *SHORT,
                            "--set", "checkpoint.num_keep=10"],  # node 1 goes on saving: keep its part of step 10
-                          capture_output=True, text=True, timeout=240, env={**os.environ, **env})
+                          capture_output=True, text=True, timeout=240, env={**os.environ, **env},
+                          preexec_fn=_as_from_a_terminal)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]  # node 1 finished the run
     assert f"node 0 exited with code {128 + signum}" in out, out[-3000:]

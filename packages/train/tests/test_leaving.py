@@ -126,3 +126,16 @@ def test_a_node_writes_its_lines_again_once_its_disk_has_room(tmp_path):
     assert "([Errno 28] No space left on device); it trains on" in " ".join(said), said
     assert log.read_text() == "kept\n"  # the line that failed is not written later
 
+
+
+def test_a_hang_up_ignored_when_the_process_began_stays_ignored_a_terminate_never():
+    """`nohup` starts the command with SIGHUP ignored: the launch and its nodes must not handle it (the run stopped
+    when the ssh session dropped). SIGTERM stops a node whatever it inherited: it is how its launcher stops it."""
+    code, said = _child("""
+        from openprime.train.leaving import stop_signals_handled
+        print(*(s.name for s in stop_signals_handled()))
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print(*(s.name for s in stop_signals_handled()))
+    """)
+    assert (code, said) == (0, ["SIGTERM", "SIGHUP", "SIGTERM"])

@@ -35,6 +35,7 @@ from openprime.train.checkpointing import checkpoint_root, newest_saved, num_nod
 from openprime.train.config import RunConfig
 from openprime.train.data import prepare_data
 from openprime.train.hardware import detect_device_type, device_blocks, least_used_block
+from openprime.train.leaving import stop_signals_handled
 from openprime.train.metrics import RunSummary, summarize
 from openprime.train.processes import (
     REFUSED_EXIT,
@@ -318,8 +319,9 @@ class Stopped(Exception):
 def _stopped_by_signals() -> Iterator[Callable[[], None]]:
     """While a launch runs, STOP_SIGNALS raise Stopped in the main thread, as SIGINT raises KeyboardInterrupt: the
     launcher then stops its nodes gracefully and says how to continue. Without this, SIGTERM or SIGHUP ended the
-    launcher at once and left its nodes running with nobody to stop them. Yields a function that ignores them
-    from then on (while the nodes are being stopped); the previous handlers come back at the end."""
+    launcher at once and left its nodes running with nobody to stop them. A SIGHUP ignored when the launch began
+    (`nohup`) stays ignored, by the launcher and its nodes (leaving.stop_signals_handled). Yields a function that
+    ignores them from then on (while the nodes are being stopped); the previous handlers come back at the end."""
     if threading.current_thread() is not threading.main_thread():  # only the main thread can handle signals
         yield lambda: None
         return
@@ -332,7 +334,7 @@ def _stopped_by_signals() -> Iterator[Callable[[], None]]:
         ignore()
         raise Stopped(signum)
 
-    previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
+    previous = {s: signal.signal(s, stop) for s in stop_signals_handled()}  # under nohup, not SIGHUP
     try:
         yield ignore
     finally:

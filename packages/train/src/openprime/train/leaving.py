@@ -21,6 +21,17 @@ from collections.abc import Iterator
 # or ssh session sends SIGHUP to the launcher and its nodes (their process group).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
+
+
+def stop_signals_handled() -> tuple[signal.Signals, ...]:
+    """The STOP_SIGNALS that stop this launch or node: all of them, but SIGHUP only if this process did not inherit it
+    ignored. `nohup openprime run ... &` ignores SIGHUP so that the run outlives its terminal: the shell sends its
+    jobs SIGHUP when the ssh session drops, and the launcher and its nodes, which put their own handlers in place,
+    stopped the run there (2026-12-06). SIGTERM always stops: it is how a launcher stops its nodes."""
+    hangup_ignored = signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    return tuple(s for s in STOP_SIGNALS if not (s == signal.SIGHUP and hangup_ignored))
+
+
 _num_deferring = 0  # how many stop_deferred() blocks the main thread is in
 _received: list[int] = []  # the stop signals this process got (the first one counts)
 

@@ -31,7 +31,7 @@ from openprime.core.transport import Rendezvous
 from openprime.mesh import JoinRefused
 from openprime.train.config import RunConfig
 from openprime.train.guard import Diverged
-from openprime.train.leaving import STOP_SIGNALS, leave
+from openprime.train.leaving import STOP_SIGNALS, leave, stop_signals_handled
 from openprime.train.metrics import show_info_logs
 from openprime.train.trainer import run_node
 
@@ -184,11 +184,12 @@ class NodeProcess(mp.context.ForkServerProcess):
         # No effect once the server runs. openprime.train.forkserver makes the server ignore stop signals.
         mp.set_forkserver_preload(["torch", "openprime.train.launcher", "openprime.train.forkserver"])
         self._inherited = _Inherited()
+        self._stop_signals = stop_signals_handled()  # the launcher's: under nohup, SIGHUP is not among them
         super().start()
 
     def run(self) -> None:
         for stop in STOP_SIGNALS:  # ignored by the fork server (openprime.train.forkserver), not by its children
-            signal.signal(stop, signal.SIG_DFL)
+            signal.signal(stop, signal.SIG_DFL if stop in self._stop_signals else signal.SIG_IGN)
         self._inherited.adopt()
         if self._inherited.launcher_pid is not None:
             leave_when_gone(self._inherited.launcher_pid)
@@ -237,7 +238,7 @@ def node_main(cfg: RunConfig, node: int, coordinator: str, run_dir: pathlib.Path
               resume: Checkpoint | None = None, local_rank: int = 0,
               local_rendezvous: Rendezvous | None = None, first_device: int = 0) -> None:
     """The body of one node process (one local rank): SIGTERM leaves gracefully (the deathrattle), errors exit 1."""
-    for stop in STOP_SIGNALS:
+    for stop in stop_signals_handled():  # a SIGHUP ignored by the launcher (nohup) stays ignored
         signal.signal(stop, leave)
     # Ctrl-C in a terminal sends SIGINT to the launcher and every node (one process group); a node that took it
     # ended at once, with no deathrattle and no line, and its checkpoint write under way was lost (2026-12-06). The
