@@ -269,7 +269,7 @@ def node_main(cfg: RunConfig, node: int, coordinator: str, run_dir: pathlib.Path
 def _stop_signal_within(timeout_s: float) -> int | None:
     """The stop signal (SIGTERM, SIGHUP) this process gets within `timeout_s`, or None."""
     got: list[int] = []
-    for stop in STOP_SIGNALS:
+    for stop in stop_signals_handled():
         signal.signal(stop, lambda signum, _frame: got.append(signum))
     deadline = time.monotonic() + timeout_s
     while not got and time.monotonic() < deadline:
