@@ -139,3 +139,15 @@ def test_a_hang_up_ignored_when_the_process_began_stays_ignored_a_terminate_neve
         print(*(s.name for s in stop_signals_handled()))
     """)
     assert (code, said) == (0, ["SIGTERM", "SIGHUP", "SIGTERM"])
+
+
+def test_a_node_started_with_stdout_closed_drops_its_lines_and_goes_on():
+    """`openprime run ... >&-`: Python has no sys.stdout then, and every node failed on its first line."""
+    code, said = _child("""
+        from openprime.train.metrics import say
+        sys.stdout = None
+        say("nowhere to go")
+        sys.stderr.write("went-on ")
+    """, out="stderr")
+    assert code == 0 and said[-1] == "went-on", said
+    assert "([Errno 9] stdout is closed); it trains on" in " ".join(said), said

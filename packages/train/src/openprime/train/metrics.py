@@ -11,6 +11,7 @@ written is dropped with one warning per node, and the readers skip a line a shor
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib.util
 import json
 import logging
@@ -103,17 +104,21 @@ def say(line: str) -> None:
     disk keeps going. The same for a reader that is gone (EPIPE: a `tee` that ended) and a closed terminal (EIO).
     The first such line warns on stderr, unless the node is leaving (a closed terminal's SIGHUP:
     openprime.train.leaving), where that is expected. Lines are written again once they can be (the disk has room);
-    the metrics file keeps every record it can meanwhile."""
+    the metrics file keeps every record it can meanwhile. A process started with stdout closed (`>&-`) has none
+    (sys.stdout is None): the same."""
     try:
+        if sys.stdout is None:
+            raise OSError(errno.EBADF, "stdout is closed")
         sys.stdout.write(line + "\n")
         sys.stdout.flush()
     except OSError as e:
         global _num_unsaid
         if not _num_unsaid and not stop_received():
-            with contextlib.suppress(OSError):  # stderr may be the same full file
-                print(f"[{mp.current_process().name}] its output cannot be written ({e}); it trains on without it "
-                      f"(this warning is not repeated; the run's metrics.jsonl has its records)",
-                      file=sys.stderr, flush=True)
+            with contextlib.suppress(AttributeError, OSError):  # stderr may be the same full file, or closed too
+                sys.stderr.write(f"[{mp.current_process().name}] its output cannot be written ({e}); it trains on "
+                                 f"without it (this warning is not repeated; the run's metrics.jsonl has its "
+                                 f"records)\n")  # one write: the other nodes' lines do not tear it
+                sys.stderr.flush()
         _num_unsaid += 1
 
 
