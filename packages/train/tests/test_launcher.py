@@ -332,3 +332,11 @@ def test_a_nodes_end_is_told_by_its_signal():
     assert ended_how(-9).startswith("was killed by SIGKILL (out of memory? The kernel's OOM killer")
     assert ended_how(-11) == "was killed by SIGSEGV"
     assert ended_how(-200) == "was killed by signal 200"
+
+
+def test_the_launchers_lines_go_to_stderr_when_it_started_without_stdout(monkeypatch):
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setattr(sys, "stdout", None)  # `openprime run ... >&-`: print() would drop them unsaid
+    tell("continue with this")
+    assert err.getvalue() == "continue with this\n"

@@ -58,6 +58,8 @@ def tell(line: str, *, err: bool = False) -> None:
     """
     if not err:
         try:
+            if sys.stdout is None:  # started with stdout closed (`>&-`): print() would drop the line unsaid
+                raise OSError("stdout is closed")
             print(line, flush=True)
             return
         except OSError:  # EPIPE: the reader is gone; EIO: the terminal is
