@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -204,6 +205,34 @@ def test_sigterm_or_sighup_stops_the_nodes_as_ctrl_c_does(tmp_path, signum, grou
     assert "Traceback" not in out, out[-3000:]
     pids = node_pids(read_records(run_dir))
     assert len(pids) == 2 and all(process_ended(pid) for pid in pids), pids
+
+
+@pytest.mark.slow
+def test_a_launch_suspended_as_a_whole_and_continued_trains_on(tmp_path):
+    """Ctrl-Z and `fg` (SIGSTOP, SIGCONT to the process group), or a machine that slept: the coordinator in the
+    launcher woke to both nodes silent for longer than the eviction timeout (2 s heartbeats: 6 s) and evicted
+    them, they joined again without the run's state, nobody held it, and the run failed (exit 2, 2026-12-06).
+    The coordinator's clock now leaves out the time it did not run."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "openprime.train.cli", "run", str(ROOT / "recipes" / "debug.py"),
+                             "--run-dir", str(run_dir), *SHORT], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, preexec_fn=_as_from_a_terminal, process_group=0)
+    try:
+        wait_for(run_dir, lambda records: len({r["node"] for r in records if r["kind"] == "checkpoint"}) == 2,
+                 timeout_s=120)
+        os.killpg(proc.pid, signal.SIGSTOP)
+        time.sleep(10)
+        os.killpg(proc.pid, signal.SIGCONT)
+        out = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGCONT)
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert proc.returncode == 0, out[-3000:]
+    assert "the coordinator did not run for 1" in out, out[-3000:]  # 10.x s
+    assert "silent for more than" not in out and "was evicted" not in out, out[-3000:]
+    assert "(newest: step 60)" in out, out[-3000:]
 
 
 @pytest.mark.slow

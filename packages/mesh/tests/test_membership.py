@@ -1026,3 +1026,26 @@ def test_in_a_try_that_admitted_a_node_a_hung_donor_whose_joiner_is_gone_is_time
         assert decisions == [False, False] and time.monotonic() - start < 2.0
         assert sorted(coordinator.evictions) == ["late", "node-0"]
         _close(clients)
+
+
+def test_time_the_coordinator_did_not_run_is_left_out_of_its_deadlines():
+    """Suspended with its nodes (Ctrl-Z of a launch, a machine that slept), the coordinator woke to every node silent
+    for the whole pause and evicted them all (tests/test_resume.py runs that end to end). Its clock leaves out a
+    pass of its loop that took far longer than a tick."""
+    from openprime.mesh.coordinator import NodeRecord
+
+    c = Coordinator(FAST)  # not started: the test drives its loop's clock
+    try:
+        # Node n was heard just before the process stopped, and the pass of its loop then took 10 s.
+        c.nodes["n"] = NodeRecord(node="n", incarnation="i", slot=0, last_seen=c._now() - 10.0, joined_at=0.0)
+        c._count_frozen(time.monotonic() - 10.0, tick=0.025)
+        c._evict_silent(c._now())
+        assert "n" in c.nodes  # FAST evicts after 0.3 s of silence
+        assert 9.9 < c._frozen_s <= 10.0
+        c._count_frozen(time.monotonic() - 0.1, tick=0.025)  # an ordinary pass: nothing left out
+        assert c._frozen_s <= 10.0
+        time.sleep(0.4)
+        c._evict_silent(c._now())
+        assert "n" not in c.nodes  # a silence it was there to hear still counts
+    finally:
+        c.stop()

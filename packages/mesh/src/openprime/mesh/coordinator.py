@@ -74,7 +74,7 @@ class Committee:
     doomed: bool = False  # the try's abort key is set (openprime.mesh.abort): it cannot be applied
     reports: dict[str, bool] = attrs.Factory(dict)
     waiting: dict[str, tuple[bytes, int]] = attrs.Factory(dict)
-    reported_at: dict[str, float] = attrs.Factory(dict)  # when each member reported (time.monotonic())
+    reported_at: dict[str, float] = attrs.Factory(dict)  # when each member reported (Coordinator._now)
     unreachable: set[tuple[str, str]] = attrs.Factory(set)  # (member, a member it could not connect to)
 
 
@@ -127,7 +127,8 @@ class Coordinator:
         self.blame = Blame(config.num_all_reduce_tries)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._started = time.monotonic()
+        self._frozen_s = 0.0  # time this process did not run (see _now)
+        self._started = self._now()
 
     # ------------------------------------------------------------------ lifetime
 
@@ -147,14 +148,34 @@ class Coordinator:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         tick = min(0.1, self.config.heartbeat_interval_s / 4)
+        last = time.monotonic()
         while not self._stop.is_set():
-            if poller.poll(timeout=tick * 1000):
+            ready = poller.poll(timeout=tick * 1000)
+            last = self._count_frozen(last, tick)  # before the messages that waited are handled
+            if ready:
                 while self._sock.poll(0):
                     frames = self._sock.recv_multipart()
                     self._handle(frames)
-            self._evict_silent(time.monotonic())
+            self._evict_silent(self._now())
             self._try_barrier()
             self._try_commit()
+
+    def _now(self) -> float:
+        """The coordinator's clock: time.monotonic() less the time this process did not run. Every silence,
+        arrival and deadline is measured on it. Suspended with its nodes (Ctrl-Z and `fg` of a launch, a machine or
+        VM that slept), it woke to every node silent for the whole pause and evicted them all, and with them the
+        run's state: nobody was left to give it to the nodes that joined again (2026-12-06)."""
+        return time.monotonic() - self._frozen_s
+
+    def _count_frozen(self, last: float, tick: float) -> float:
+        """After a pass of the loop that should have taken a tick: a pass that took over half an eviction timeout
+        means this process was stopped (or starved of CPU); that time is left out of `_now`. Returns the time now."""
+        now = time.monotonic()
+        if now - last > self.config.eviction_timeout_s / 2:
+            self._frozen_s += now - last - tick
+            log.warning("the coordinator did not run for %.1fs (suspended, or starved of CPU); its deadlines leave "
+                        "that time out, so that nobody is evicted for the silence it did not hear", now - last)
+        return now
 
     # ------------------------------------------------------------------ messages
 
@@ -197,7 +218,7 @@ class Coordinator:
         if record is None:
             return None
         record.incarnation = incarnation
-        record.last_seen = time.monotonic()
+        record.last_seen = self._now()
         return record
 
     def _may_adopt(self) -> bool:
@@ -209,7 +230,7 @@ class Coordinator:
 
     def _just_started(self) -> bool:
         """This coordinator (re)started less than a recovery window ago: the run's nodes may still report."""
-        return time.monotonic() - self._started < self.config.recovery_window_s
+        return self._now() - self._started < self.config.recovery_window_s
 
     def _adopt(self, message: dict) -> None:
         """The nodes know a newer view than this coordinator: it restarted. Their report is the state."""
@@ -224,7 +245,7 @@ class Coordinator:
                 self._remove(node, "joined the restarted coordinator before the run's members reported back; it "
                                    "joins again under the run's terms")
             self.terms, self.terms_node = dict(terms), message["node"]
-        now = time.monotonic()
+        now = self._now()
         for i, node in enumerate(self.members):
             if node not in self.nodes:
                 # Members get one eviction timeout to speak for themselves; slots come from their reports.
@@ -271,7 +292,7 @@ class Coordinator:
                 slot = next((s for s in range(num_slots) if s not in used), num_slots)
             if slot >= num_slots:
                 return {"op": "refused", "reason": terms_rules.full(num_slots, self.config.max_nodes)}
-            now = time.monotonic()
+            now = self._now()
             record = NodeRecord(node=node, incarnation=message["incarnation"], slot=slot, last_seen=now, joined_at=now)
             self.nodes[node] = record
             log.info("node %s joined (slot %d); it is admitted at the next outer step", node, slot)
@@ -309,9 +330,18 @@ class Coordinator:
             self.bandwidth[(sender, message["node"])] = float(rate)
             if float(rate) > 0:
                 self.blame.probed(sender, message["node"])  # a probe's data crossed the link
-        message["arrived_at"] = self._sent_at(message)
+        message["arrived_at"] = self._arrived_at(message)
         self._waiting[message["node"]] = (route, message["req"], message)
         return None  # answered when the barrier completes
+
+    def _arrived_at(self, message: dict) -> float:
+        """When the node reached the barrier: as this coordinator heard it the first time, when this is a resend of
+        that sync (the node's `waited_s` also counts time this coordinator did not run: both suspended together);
+        otherwise `_sent_at` (after a restart of this coordinator, `waited_s` is all there is)."""
+        held = self._waiting.get(message["node"])
+        if held is not None and all(held[2].get(k) == message.get(k) for k in ("incarnation", "step", "attempt")):
+            return held[2]["arrived_at"]
+        return self._sent_at(message)
 
     def _on_commit(self, route: bytes, message: dict) -> dict | None:
         if self._known(message) is None:
@@ -335,9 +365,9 @@ class Coordinator:
         return None
 
     def _sent_at(self, message: dict) -> float:
-        """When the node first sent this request (time.monotonic() here): it has waited `waited_s` for an answer,
-        across a restart of this coordinator. At most the straggler bound ago (a clock that jumped)."""
-        return time.monotonic() - min(float(message.get("waited_s", 0.0)), self.config.straggler_timeout_s)
+        """When the node first sent this request (on `_now`): it has waited `waited_s` for an answer, across a
+        restart of this coordinator. At most the straggler bound ago (a clock that jumped)."""
+        return self._now() - min(float(message.get("waited_s", 0.0)), self.config.straggler_timeout_s)
 
     def _on_leave(self, route: bytes, message: dict) -> dict:
         if self._known(message) is not None:
@@ -405,7 +435,7 @@ class Coordinator:
                                               min_straggler_s=self.config.min_straggler_s))
 
     def _try_barrier(self) -> None:
-        self._evict_stragglers(time.monotonic())
+        self._evict_stragglers(self._now())
         live_members = [m for m in self.members if m in self.nodes]
         if not self._waiting or any(m not in self._waiting for m in live_members):
             return
@@ -539,7 +569,7 @@ class Coordinator:
         committee = self._committee
         if committee is None or not committee.reports:
             return
-        self._evict_silent_committee(committee, time.monotonic())
+        self._evict_silent_committee(committee, self._now())
         live = {m for m in committee.members if m in self.nodes}
         if not live <= set(committee.reports):
             return
@@ -548,7 +578,7 @@ class Coordinator:
         self._decisions[(committee.step, committee.attempt)] = apply
         if apply:
             self.blame.applied(committee.members, committee.ring)
-            self._clock.applied(time.monotonic())
+            self._clock.applied(self._now())
         elif live == committee.members:  # nobody was lost, yet a member's all-reduce failed: unexplained
             self.blame.failed(committee.step, committee.ring, committee.unreachable)
         for route, req in committee.waiting.values():
