@@ -22,7 +22,6 @@ from collections.abc import Iterator
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
-
 def stop_signals_handled() -> tuple[signal.Signals, ...]:
     """The STOP_SIGNALS that stop this launch or node: all of them, but SIGHUP only if this process did not inherit it
     ignored. `nohup openprime run ... &` ignores SIGHUP so that the run outlives its terminal: the shell sends its
