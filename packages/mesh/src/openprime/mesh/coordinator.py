@@ -18,11 +18,9 @@ What it decides, on one thread, between messages:
   bandwidths give a much faster ring;
 - after an outer step failed on every try with every member alive (blame.py): refusing the joiners admitted since
   the ring last worked, or evicting the node nobody could connect to, or one end of links that no ring avoids;
-- the commit of each all-reduce: apply only if every member of the view reported success, else every
-  survivor retries (so no node ever applies a result another node did not get); a try that can no
-  longer be applied (a member removed, or one reporting failure) is marked doomed in the store at once,
-  and every process of every member stops waiting on it within a heartbeat (abort.py) instead of at
-  its collective deadline, 2(n-1) x op_s;
+- the commit of each all-reduce (commit.py): apply only if every member of the view reported success, else every
+  survivor retries; a try that can no longer be applied is marked doomed at once (abort.py); a member that does
+  not report is evicted as late as a straggler at the barrier;
 - agreement: the nodes' hashes of their global state after each outer step are compared, and any
   difference is logged loudly with the nodes involved.
 
@@ -44,8 +42,8 @@ from openprime.core.distributed import host_store
 from openprime.core.errors import ConfigError
 from openprime.mesh import reasons
 from openprime.mesh import terms as terms_rules
-from openprime.mesh.abort import abort_key, try_group
 from openprime.mesh.blame import Blame
+from openprime.mesh.commit import Commits
 from openprime.mesh.config import MeshConfig
 from openprime.mesh.protocol import BadMessage, check_request, pack, unpack
 from openprime.mesh.stragglers import StragglerClock, is_retry
@@ -60,22 +58,6 @@ class NodeRecord:
     slot: int
     last_seen: float
     joined_at: float
-
-
-@attrs.define
-class Committee:
-    """The members that must report on one all-reduce, and what they reported."""
-
-    step: int
-    attempt: int
-    epoch: int
-    members: frozenset[str]
-    ring: tuple[str, ...] = ()  # the members in ring order (the links the all-reduce used)
-    doomed: bool = False  # the try's abort key is set (openprime.mesh.abort): it cannot be applied
-    reports: dict[str, bool] = attrs.Factory(dict)
-    waiting: dict[str, tuple[bytes, int]] = attrs.Factory(dict)
-    reported_at: dict[str, float] = attrs.Factory(dict)  # when each member reported (Coordinator._now)
-    unreachable: set[tuple[str, str]] = attrs.Factory(set)  # (member, a member it could not connect to)
 
 
 class Coordinator:
@@ -115,8 +97,6 @@ class Coordinator:
         self._waiting: dict[str, tuple[bytes, int, dict]] = {}  # node -> (route, req, message) at the barrier
         self._viewed: dict[tuple[str, str], int] = {}  # (node, incarnation) -> the last sync request answered
         self._clock = StragglerClock(config)  # who is late at the barrier or in the commit (stragglers.py)
-        self._committee: Committee | None = None
-        self._decisions: dict[tuple[int, int], bool] = {}
         self.hashes: dict[int, dict[str, str]] = {}
         self.disagreements: list[tuple[int, dict[str, str]]] = []
         self.terms: dict[str, str] | None = None  # what every node of the run agrees on (terms.py, _disagreement)
@@ -125,6 +105,7 @@ class Coordinator:
         self.evictions: list[str] = []
         # What tries that failed with every member alive tell: suspect links, unproven joiners, a node nobody reaches.
         self.blame = Blame(config.num_all_reduce_tries)
+        self.commits = Commits(run_id=config.run_id, store=self._store, clock=self._clock, blame=self.blame)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._frozen_s = 0.0  # time this process did not run (see _now)
@@ -346,23 +327,8 @@ class Coordinator:
     def _on_commit(self, route: bytes, message: dict) -> dict | None:
         if self._known(message) is None:
             return {"op": "evicted"}
-        key = (message["step"], message["attempt"])
-        if key in self._decisions:
-            return {"op": "decision", "apply": self._decisions[key]}
-        committee = self._committee
-        if committee is None or (committee.step, committee.attempt) != key:
-            # A coordinator that restarted mid-commit: the members re-form the committee as they report.
-            committee = self._committee = Committee(step=key[0], attempt=key[1], epoch=self.epoch,
-                                                    members=frozenset(self.members), ring=tuple(self.members))
-        committee.reported_at.setdefault(message["node"], self._sent_at(message))
-        self._clock.reported(message.get("compute_s"))
-        committee.reports[message["node"]] = message["ok"]
-        committee.unreachable.update((message["node"], m) for m in message.get("unreachable") or []
-                                     if m in committee.members and m != message["node"])
-        if not message["ok"]:
-            self._doom(committee, f"node {message['node']} reported that its part failed")
-        committee.waiting[message["node"]] = (route, message["req"])
-        return None
+        return self.commits.report(route, message, sent_at=self._sent_at(message), epoch=self.epoch,
+                                   members=self.members)
 
     def _sent_at(self, message: dict) -> float:
         """When the node first sent this request (on `_now`): it has waited `waited_s` for an answer, across a
@@ -378,7 +344,7 @@ class Coordinator:
     def all_reducing(self) -> int | None:
         """The outer step whose view went out and whose members have not all reported back (they are in its
         all-reduce); None between outer steps. Read from another thread by tests that time a fault."""
-        committee = self._committee
+        committee = self.commits.committee
         return committee.step if committee is not None else None
 
     def _on_status(self, route: bytes, message: dict) -> dict:
@@ -397,20 +363,7 @@ class Coordinator:
         self.blame.forget(node)
         self.evictions.append(node)
         log.warning("node %s removed: %s", node, why)
-        if self._committee is not None and node in self._committee.members:
-            self._doom(self._committee, f"node {node} was removed: {why}")
-
-    def _doom(self, committee: Committee, why: str) -> None:
-        """Tell the committee's members that their try cannot be applied, so that they stop waiting on it now
-        (abort.py: the others would wait for a frozen member until their deadline, 2(n-1) x op_s)."""
-        if committee.doomed:
-            return
-        committee.doomed = True
-        key = abort_key(try_group(self.config.run_id, committee.epoch, committee.step, committee.attempt))
-        try:
-            self._store.set(key, why)
-        except RuntimeError as e:  # the store is in this process: only a broken one fails, and deadlines still act
-            log.warning("could not mark outer step %d try %d as doomed: %s", committee.step, committee.attempt, e)
+        self.commits.removed(node, why)
 
     def _evict_silent(self, now: float) -> None:
         for node, record in list(self.nodes.items()):
@@ -487,8 +440,7 @@ class Coordinator:
                 "state_hash": agreed,
                 "attempt": attempt, "skip": skip, "slots": [[m, self.nodes[m].slot] for m in members],
                 "store": self.store}
-        self._committee = Committee(step=step, attempt=attempt, epoch=self.epoch, members=frozenset(members),
-                                    ring=tuple(members))
+        self.commits.opened(step=step, attempt=attempt, epoch=self.epoch, members=members)
         for node, (route, req, message) in self._waiting.items():
             self._reply(route, req, view)
             self._viewed[node, message["incarnation"]] = req
@@ -556,37 +508,22 @@ class Coordinator:
         self._remove(culprit.node, reasons.unreachable(culprit, live_members, self.config.num_all_reduce_tries))
         return True
 
-    def _evict_silent_committee(self, committee: Committee, now: float) -> None:
-        """A member alive by its heartbeats that does not report on its all-reduce (a process of it hung after its
-        barrier: it never built its group) would hold the others in their commit until their sync timeout: evict
-        it as late after the first report as a straggler at the barrier (stragglers.py)."""
-        if self._just_started():
-            return  # as at the barrier: the members resend their reports first
-        for m, waited_s in self._clock.late_in_commit(now, committee.members, committee.reported_at, self.nodes):
-            self._remove(m, reasons.silent_in_commit(committee.step, waited_s))
-
     def _try_commit(self) -> None:
-        committee = self._committee
+        committee = self.commits.committee
         if committee is None or not committee.reports:
             return
-        self._evict_silent_committee(committee, self._now())
-        live = {m for m in committee.members if m in self.nodes}
-        if not live <= set(committee.reports):
-            return
-        # Apply only if every member of the view reported success: a member that vanished may not have it.
-        apply = live == committee.members and all(committee.reports.values())
-        self._decisions[(committee.step, committee.attempt)] = apply
-        if apply:
-            self.blame.applied(committee.members, committee.ring)
-            self._clock.applied(self._now())
-        elif live == committee.members:  # nobody was lost, yet a member's all-reduce failed: unexplained
-            self.blame.failed(committee.step, committee.ring, committee.unreachable)
-        for route, req in committee.waiting.values():
-            self._reply(route, req, {"op": "decision", "apply": apply})
-        self._committee = None
-        if not apply:
-            log.warning("outer step %d try %d not applied: %s", committee.step, committee.attempt,
-                        "a member was lost" if live != committee.members else "a member's all-reduce failed")
+        # A member alive by its heartbeats that does not report on its all-reduce (a process of it hung after its
+        # barrier: it never built its group) would hold the others in their commit until their sync timeout: evict
+        # it as late after the first report as a straggler at the barrier (stragglers.py). A coordinator that just
+        # (re)started evicts nobody here, as at the barrier: the members resend their reports first.
+        if not self._just_started():
+            for m, waited_s in self._clock.late_in_commit(self._now(), committee.members, committee.reported_at,
+                                                          self.nodes):
+                self._remove(m, reasons.silent_in_commit(committee.step, waited_s))
+        decision = self.commits.decide([m for m in committee.members if m in self.nodes], self._now())
+        if decision is not None:
+            for route, req in decision.committee.waiting.values():
+                self._reply(route, req, {"op": "decision", "apply": decision.apply})
 
     def _ring_order(self, live_members: list[str], joiners: list[str]) -> list[str]:
         """The current order (joiners appended), unless links of it are suspect or the measured bandwidths give

@@ -1,0 +1,138 @@
+"""The commit of each all-reduce: apply it only where every member of its view got it.
+
+After its all-reduce every member reports to the coordinator whether its part worked, and waits for the decision.
+The decision is "apply" only if every member of the view reported success; otherwise every survivor retries the
+outer step (the coordinator's next barrier), so that no node ever applies a result another node did not get (the
+replicas would drift apart for the rest of the run, PRIME's failure mode: it had no commit).
+
+A try that can no longer be applied (a member was removed, or one reported that its part failed) is marked doomed
+in the rendezvous store at once (abort.py): every process of every member stops waiting on it within a heartbeat,
+instead of at its collective deadline, 2(n-1) x op_s.
+
+A coordinator restarted between the view and the reports re-forms the committee from the reports themselves
+(their step and attempt; the members of the view it adopted from the nodes).
+
+This module keeps the committee and the decisions; the coordinator owns membership (who is removed, and when a
+silent member is evicted: `StragglerClock.late_in_commit`) and the socket the answers go out on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection
+from typing import TYPE_CHECKING
+
+import attrs
+
+from openprime.mesh.abort import abort_key, try_group
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
+
+    from openprime.mesh.blame import Blame
+    from openprime.mesh.stragglers import StragglerClock
+
+log = logging.getLogger("openprime.mesh.coordinator")
+
+
+@attrs.define
+class Committee:
+    """The members that must report on one all-reduce, and what they reported."""
+
+    step: int
+    attempt: int
+    epoch: int
+    members: frozenset[str]
+    ring: tuple[str, ...] = ()  # the members in ring order (the links the all-reduce used)
+    doomed: bool = False  # the try's abort key is set (openprime.mesh.abort): it cannot be applied
+    reports: dict[str, bool] = attrs.Factory(dict)
+    waiting: dict[str, tuple[bytes, int]] = attrs.Factory(dict)  # member -> (route, req) of its report
+    reported_at: dict[str, float] = attrs.Factory(dict)  # when each member reported (Coordinator._now)
+    unreachable: set[tuple[str, str]] = attrs.Factory(set)  # (member, a member it could not connect to)
+
+
+@attrs.define(frozen=True)
+class Decision:
+    """What the coordinator answers the members that reported: apply the try or not."""
+
+    committee: Committee
+    apply: bool
+
+
+class Commits:
+    """The all-reduce whose view went out (its committee) and the decisions taken on earlier tries."""
+
+    def __init__(self, *, run_id: str, store: Store, clock: StragglerClock, blame: Blame) -> None:
+        self._run_id = run_id
+        self._store = store
+        self._clock = clock
+        self._blame = blame
+        self.committee: Committee | None = None
+        self._decisions: dict[tuple[int, int], bool] = {}  # (step, attempt) -> applied
+
+    def opened(self, *, step: int, attempt: int, epoch: int, members: list[str]) -> None:
+        """A view went out: its members report on this try next."""
+        self.committee = Committee(step=step, attempt=attempt, epoch=epoch, members=frozenset(members),
+                                   ring=tuple(members))
+
+    def report(self, route: bytes, message: dict, *, sent_at: float, epoch: int,
+               members: list[str]) -> dict | None:
+        """A member's report on its all-reduce: the decision already taken on that try, or None (answered when every
+        member has reported). `epoch` and `members` are the coordinator's view, for a committee it must re-form."""
+        key = (message["step"], message["attempt"])
+        if key in self._decisions:
+            return {"op": "decision", "apply": self._decisions[key]}
+        committee = self.committee
+        if committee is None or (committee.step, committee.attempt) != key:
+            # A coordinator that restarted mid-commit: the members re-form the committee as they report.
+            self.opened(step=key[0], attempt=key[1], epoch=epoch, members=members)
+            committee = self.committee
+        node = message["node"]
+        committee.reported_at.setdefault(node, sent_at)
+        self._clock.reported(message.get("compute_s"))
+        committee.reports[node] = message["ok"]
+        committee.unreachable.update((node, m) for m in message.get("unreachable") or []
+                                     if m in committee.members and m != node)
+        if not message["ok"]:
+            self.doom(f"node {node} reported that its part failed")
+        committee.waiting[node] = (route, message["req"])
+        return None
+
+    def removed(self, node: str, why: str) -> None:
+        """A member of the try under way was removed: the try cannot be applied."""
+        if self.committee is not None and node in self.committee.members:
+            self.doom(f"node {node} was removed: {why}")
+
+    def doom(self, why: str) -> None:
+        """Tell the committee's members that their try cannot be applied, so that they stop waiting on it now
+        (abort.py: the others would wait for a frozen member until their deadline, 2(n-1) x op_s)."""
+        committee = self.committee
+        if committee is None or committee.doomed:
+            return
+        committee.doomed = True
+        key = abort_key(try_group(self._run_id, committee.epoch, committee.step, committee.attempt))
+        try:
+            self._store.set(key, why)
+        except RuntimeError as e:  # the store is in this process: only a broken one fails, and deadlines still act
+            log.warning("could not mark outer step %d try %d as doomed: %s", committee.step, committee.attempt, e)
+
+    def decide(self, live: Collection[str], now: float) -> Decision | None:
+        """Once every live member of the committee has reported (`live`: those still in the run): the decision,
+        which closes the committee; None while a live member has not."""
+        committee = self.committee
+        if committee is None or not committee.reports or not set(live) <= set(committee.reports):
+            return None
+        live = set(live)
+        # Apply only if every member of the view reported success: a member that vanished may not have it.
+        apply = live == committee.members and all(committee.reports.values())
+        self._decisions[(committee.step, committee.attempt)] = apply
+        if apply:
+            self._blame.applied(committee.members, committee.ring)
+            self._clock.applied(now)
+        elif live == committee.members:  # nobody was lost, yet a member's all-reduce failed: unexplained
+            self._blame.failed(committee.step, committee.ring, committee.unreachable)
+        self.committee = None
+        if not apply:
+            log.warning("outer step %d try %d not applied: %s", committee.step, committee.attempt,
+                        "a member was lost" if live != committee.members else "a member's all-reduce failed")
+        return Decision(committee=committee, apply=apply)
