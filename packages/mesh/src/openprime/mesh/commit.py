@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from openprime.mesh.blame import Blame
     from openprime.mesh.stragglers import StragglerClock
 
-log = logging.getLogger("openprime.mesh.coordinator")
+log = logging.getLogger("openprime.mesh.coordinator")  # the coordinator's log, as before the split
 
 
 @attrs.define
@@ -119,10 +119,9 @@ class Commits:
     def decide(self, live: Collection[str], now: float) -> Decision | None:
         """Once every live member of the committee has reported (`live`: those still in the run): the decision,
         which closes the committee; None while a live member has not."""
-        committee = self.committee
-        if committee is None or not committee.reports or not set(live) <= set(committee.reports):
+        committee, live = self.committee, set(live)
+        if committee is None or not committee.reports or not live <= set(committee.reports):
             return None
-        live = set(live)
         # Apply only if every member of the view reported success: a member that vanished may not have it.
         apply = live == committee.members and all(committee.reports.values())
         self._decisions[(committee.step, committee.attempt)] = apply
