@@ -15,7 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _run(run_dir: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "openprime.train.cli", "run", str(ROOT / "recipes" / "debug.py"),
+    return subprocess.run([sys.executable, "-m", "openprime.train", "run", str(ROOT / "recipes" / "debug.py"),
                            "--run-dir", str(run_dir), "--nodes", "2", "--set", "schedule.num_warmup_steps=5",
                            "--set", "schedule.num_decay_steps=5", "--set", "train.num_steps=20",
                            "--set", "train.eval_every=10", *args], capture_output=True, text=True, timeout=240)

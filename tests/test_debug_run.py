@@ -18,7 +18,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _run(run_dir: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "openprime.train.cli", "run", str(ROOT / "recipes" / "debug.py"),
+    cmd = [sys.executable, "-m", "openprime.train", "run", str(ROOT / "recipes" / "debug.py"),
            "--run-dir", str(run_dir), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

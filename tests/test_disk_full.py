@@ -25,7 +25,7 @@ SETTINGS = ("train.num_steps=20", "diloco.num_inner_steps=10", "checkpoint.inter
 
 def _run(run_dir: pathlib.Path, **kwargs) -> subprocess.CompletedProcess:
     sets = [arg for setting in SETTINGS for arg in ("--set", setting)]
-    return subprocess.run([sys.executable, "-m", "openprime.train.cli", "run", str(ROOT / "recipes" / "debug.py"),
+    return subprocess.run([sys.executable, "-m", "openprime.train", "run", str(ROOT / "recipes" / "debug.py"),
                            "--nodes", "2", "--run-dir", str(run_dir), *sets],
                           capture_output=True, text=True, timeout=240, **kwargs)
 

@@ -22,7 +22,7 @@ SHORT = ("--nodes", "2", "--set", "schedule.num_warmup_steps=10", "--set", "sche
 
 
 def _run(run_dir: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "openprime.train.cli", "run", str(ROOT / "recipes" / "debug.py"),
+    proc = subprocess.run([sys.executable, "-m", "openprime.train", "run", str(ROOT / "recipes" / "debug.py"),
                            "--run-dir", str(run_dir), *SHORT, *args], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -95,7 +95,7 @@ def test_sharded_run_stops_and_resumes_bit_identically(runs, tmp_path):
 
 @pytest.mark.slow
 def test_resuming_with_another_number_of_local_ranks_is_refused(runs):
-    proc = subprocess.run([sys.executable, "-m", "openprime.train.cli", "run", str(ROOT / "recipes" / "debug.py"),
+    proc = subprocess.run([sys.executable, "-m", "openprime.train", "run", str(ROOT / "recipes" / "debug.py"),
                            "--run-dir", str(runs["sharded"]), *SHORT, "--resume", "latest"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0

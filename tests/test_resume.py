@@ -39,7 +39,7 @@ SHORT = ("--nodes", "2", *RUN)
 
 
 def _openprime(*args: str, expect: int = 0) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "openprime.train.cli", *args], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "openprime.train", *args], capture_output=True, text=True,
                           timeout=240)
     assert proc.returncode == expect, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -132,7 +132,7 @@ def _signalled_after_the_first_checkpoint(run_dir: pathlib.Path, signum: int, *,
     part, and the resume then found no complete checkpoint: 1 of 4 fresh-clone CI runs on 2026-12-06.)
     `stdout_gone`: stdout is a pipe whose reader is gone right after the signal, as a `| tee` that the same Ctrl-C
     ended; the output returned is then stderr's. `nohup`: started as `nohup` starts it, with SIGHUP ignored."""
-    proc = subprocess.Popen([sys.executable, "-m", "openprime.train.cli", "run", str(ROOT / "recipes" / "debug.py"),
+    proc = subprocess.Popen([sys.executable, "-m", "openprime.train", "run", str(ROOT / "recipes" / "debug.py"),
                              "--run-dir", str(run_dir), *SHORT], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE if stdout_gone else subprocess.STDOUT,
                             text=True, preexec_fn=_under_nohup if nohup else _as_from_a_terminal,
@@ -214,7 +214,7 @@ def test_a_launch_suspended_as_a_whole_and_continued_trains_on(tmp_path):
     them, they joined again without the run's state, nobody held it, and the run failed (exit 2, 2026-12-06).
     The coordinator's clock now leaves out the time it did not run."""
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "openprime.train.cli", "run", str(ROOT / "recipes" / "debug.py"),
+    proc = subprocess.Popen([sys.executable, "-m", "openprime.train", "run", str(ROOT / "recipes" / "debug.py"),
                              "--run-dir", str(run_dir), *SHORT], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, preexec_fn=_as_from_a_terminal, process_group=0)
     try:
@@ -276,7 +276,7 @@ _HUNG_UP = """        read, write = os.pipe()
 def test_a_node_stopped_as_its_outer_step_ends_saves_that_step_before_it_leaves(tmp_path, action, signum):
     env = injecting(tmp_path, _AT_THE_FIRST_OUTER_STEP.format(action=action))
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "openprime.train.cli", "run", str(ROOT / "recipes" / "debug.py"),
+    proc = subprocess.run([sys.executable, "-m", "openprime.train", "run", str(ROOT / "recipes" / "debug.py"),
                            "--run-dir", str(run_dir), *SHORT,
                            "--set", "checkpoint.num_keep=10"],  # node 1 goes on saving: keep its part of step 10
                           capture_output=True, text=True, timeout=240, env={**os.environ, **env},
@@ -424,7 +424,7 @@ def _machines(*machines: tuple[pathlib.Path, tuple[str, ...]], first_alone: bool
         try:
             for i, (run_dir, args) in enumerate(machines):
                 procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "openprime.train.cli", "run", str(ROOT / "recipes" / "debug.py"),
+                    [sys.executable, "-m", "openprime.train", "run", str(ROOT / "recipes" / "debug.py"),
                      "--nodes", "1", "--join", address, "--run-dir", str(run_dir), *RUN,
                      "--set", "train.num_threads=1", *args],
                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))

@@ -132,7 +132,7 @@ class CoordinatorProcess:
             value = getattr(mesh, a.name)
             if a.name != "min_nodes" and value is not None:
                 sets += ["--set", f"{a.name}={value}"]
-        self.args = [sys.executable, "-m", "openprime.train.cli", "mesh", "serve", "--bind",
+        self.args = [sys.executable, "-m", "openprime.train", "mesh", "serve", "--bind",
                      f"tcp://127.0.0.1:{self.port}", "--store-port", str(self.store_port),
                      "--min-nodes", str(min_nodes), *sets]
         self.proc: subprocess.Popen | None = None

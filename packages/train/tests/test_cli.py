@@ -190,7 +190,7 @@ def _per_rank(out: str) -> int:
 
 def test_dry_run_10b_shards_over_a_fake_8_rank_group_within_a_minute():
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "openprime.train.cli", "run", TEN_B, "--dry-run", "--nodes", "2"],
+    proc = subprocess.run([sys.executable, "-m", "openprime.train", "run", TEN_B, "--dry-run", "--nodes", "2"],
                           capture_output=True, text=True, timeout=120)
     elapsed = time.monotonic() - start
     assert proc.returncode == 0, proc.stderr
@@ -254,7 +254,7 @@ def test_run_checks_the_gpus_before_starting(capsys, tmp_path, monkeypatch):
 
 
 def test_installed_command_reports_errors():
-    proc = subprocess.run([sys.executable, "-m", "openprime.train.cli", "run", DEBUG, "--set", "optim.lr=-1"],
+    proc = subprocess.run([sys.executable, "-m", "openprime.train", "run", DEBUG, "--set", "optim.lr=-1"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "OptimizerConfig.lr must be > 0" in proc.stderr

@@ -490,5 +490,7 @@ def _resume_from(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path
           f"{f' of {ranks} local ranks' if ranks > 1 else ''}, checksums verified)", flush=True)
     return found
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # as the `openprime` command does it (openprime.train.entry), less its early start
+    from openprime.train.entry import main as entry_main
+
+    sys.exit(entry_main())

@@ -30,6 +30,7 @@ from openprime.core.errors import ConfigError
 from openprime.core.transport import Rendezvous
 from openprime.mesh import JoinRefused
 from openprime.train.config import RunConfig
+from openprime.train.entry import FORK_SERVER_PRELOAD
 from openprime.train.guard import Diverged
 from openprime.train.leaving import STOP_SIGNALS, leave, stop_signals_handled
 from openprime.train.metrics import show_info_logs
@@ -182,7 +183,7 @@ class NodeProcess(mp.context.ForkServerProcess):
 
     def start(self) -> None:
         # No effect once the server runs. openprime.train.forkserver makes the server ignore stop signals.
-        mp.set_forkserver_preload(["torch", "openprime.train.launcher", "openprime.train.forkserver"])
+        mp.set_forkserver_preload(list(FORK_SERVER_PRELOAD))
         self._inherited = _Inherited()
         self._stop_signals = stop_signals_handled()  # the launcher's: under nohup, SIGHUP is not among them
         super().start()

@@ -104,7 +104,7 @@ def serve_coordinator(port: int, *, min_nodes: int, store_port: int | None = Non
     launches join with `--join`, and that a test can kill and restart at the same ports. The caller stops it."""
     store = ("--store-port", str(store_port)) if store_port is not None else ()
     sets = [arg for setting in settings for arg in ("--set", setting)]
-    return subprocess.Popen([sys.executable, "-m", "openprime.train.cli", "mesh", "serve", "--bind",
+    return subprocess.Popen([sys.executable, "-m", "openprime.train", "mesh", "serve", "--bind",
                              f"tcp://127.0.0.1:{port}", *store, "--min-nodes", str(min_nodes), *sets],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
