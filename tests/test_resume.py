@@ -212,16 +212,18 @@ def test_a_launch_suspended_as_a_whole_and_continued_trains_on(tmp_path):
     """Ctrl-Z and `fg` (SIGSTOP, SIGCONT to the process group), or a machine that slept: the coordinator in the
     launcher woke to both nodes silent for longer than the eviction timeout (2 s heartbeats: 6 s) and evicted
     them, they joined again without the run's state, nobody held it, and the run failed (exit 2, 2026-12-06).
-    The coordinator's clock now leaves out the time it did not run."""
+    The coordinator's clock now leaves out the time it did not run. Heartbeats of 1 s here: the pause (6 s) is
+    twice the eviction timeout (3 s). Without the clock's change the run fails (exit 2; checked twice, 2026-12-06)."""
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "openprime.train", "run", str(ROOT / "recipes" / "debug.py"),
-                             "--run-dir", str(run_dir), *SHORT], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, preexec_fn=_as_from_a_terminal, process_group=0)
+                             "--run-dir", str(run_dir), *SHORT, "--set", "mesh.heartbeat_interval_s=1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=_as_from_a_terminal, process_group=0)
     try:
         wait_for(run_dir, lambda records: len({r["node"] for r in records if r["kind"] == "checkpoint"}) == 2,
                  timeout_s=120)
         os.killpg(proc.pid, signal.SIGSTOP)
-        time.sleep(10)
+        time.sleep(6)
         os.killpg(proc.pid, signal.SIGCONT)
         out = proc.communicate(timeout=120)[0]
     finally:
@@ -230,7 +232,7 @@ def test_a_launch_suspended_as_a_whole_and_continued_trains_on(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
     assert proc.returncode == 0, out[-3000:]
-    assert "the coordinator did not run for 1" in out, out[-3000:]  # 10.x s
+    assert "the coordinator did not run for 6." in out, out[-3000:]  # 6.x s
     assert "silent for more than" not in out and "was evicted" not in out, out[-3000:]
     assert "(newest: step 60)" in out, out[-3000:]
 
@@ -278,11 +280,12 @@ def test_a_node_stopped_as_its_outer_step_ends_saves_that_step_before_it_leaves(
     run_dir = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "openprime.train", "run", str(ROOT / "recipes" / "debug.py"),
                            "--run-dir", str(run_dir), *SHORT,
-                           "--set", "checkpoint.num_keep=10"],  # node 1 goes on saving: keep its part of step 10
+                           "--set", "checkpoint.num_keep=10",  # node 1 goes on saving: keep its part of step 10
+                           "--set", "train.stop_after_outer_steps=2"],  # node 1 goes on alone for one more
                           capture_output=True, text=True, timeout=240, env={**os.environ, **env},
                           preexec_fn=_as_from_a_terminal)
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-3000:]  # node 1 finished the run
+    assert proc.returncode == 0, out[-3000:]  # node 1 went on to its stop after outer step 2
     assert f"node 0 exited with code {128 + signum}" in out, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
     # Both nodes' parts of the first outer step's checkpoint are there and verify (every part the step names).
@@ -500,8 +503,9 @@ def test_a_launch_whose_nodes_are_refused_exits_2_without_a_command_that_would_f
     """A run ends on a standalone coordinator; a second launch joins it without a checkpoint: the coordinator refuses
     its node (no node holding the run's state is left). The launch says the error names the change to make, exits 2
     (1: a failure that the same command may get past), and prints no `--resume latest` command of its own."""
-    short = ("--nodes", "1", "--set", "train.num_steps=60", "--set", "checkpoint.interval_steps=30",
-             "--set", "diloco.num_inner_steps=30", "--set", "train.seq_len=32", "--set", "train.num_threads=1")
+    short = ("--nodes", "1", "--set", "train.num_steps=30", "--set", "checkpoint.interval_steps=30",
+             "--set", "diloco.num_inner_steps=30", "--set", "train.seq_len=32", "--set", "train.num_threads=1",
+             "--set", "schedule.num_warmup_steps=10", "--set", "schedule.num_decay_steps=20")
     with _coordinator(1) as address:
         _openprime("run", str(ROOT / "recipes" / "debug.py"), "--join", address, "--run-dir", str(tmp_path / "a"),
                    *short)
