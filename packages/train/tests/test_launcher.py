@@ -14,6 +14,7 @@ import time
 import torch
 
 from openprime.ckpt import write_part
+from openprime.train.entry import FORK_SERVER_PRELOAD
 from openprime.train.launcher import Launcher, _print_checkpoints, ended_how, tell
 from openprime.train.processes import NodeProcess, dump_stacks, install_stack_dump, is_stopped, output_to
 from openprime.train.recipe import recipe_config
@@ -99,18 +100,23 @@ def test_node_processes_write_where_the_launcher_writes_now_and_see_its_environm
     assert log.read_text().splitlines() == ["out set-after-the-server-started unset", "err"]
 
 
-def test_the_fork_servers_preload_does_not_touch_cuda():
-    """Node processes fork from a server that imported openprime.train.launcher: had any of its imports asked CUDA for
-    its devices, every node on a GPU machine would fail ("Cannot re-initialize CUDA in forked subprocess")."""
+def test_the_fork_servers_preload_does_not_touch_cuda_or_start_a_thread():
+    """Node processes fork from a server that imported FORK_SERVER_PRELOAD: had any of its imports asked CUDA for
+    its devices, every node on a GPU machine would fail ("Cannot re-initialize CUDA in forked subprocess"); a
+    thread it started would not exist in the nodes (and a lock it held would stay held there)."""
     probe = (
+        "import importlib, os, sys\n"
         "import torch\n"
+        "threads = len(os.listdir('/proc/self/task'))\n"  # torch's own, before any of ours
         "asked = []\n"
         "for name in ('is_available', 'device_count', '_lazy_init', 'init', 'get_device_properties'):\n"
         "    setattr(torch.cuda, name, lambda *a, _n=name, **k: asked.append(_n))\n"
-        "import openprime.train.launcher\n"
-        "print(asked)\n")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+        "for module in sys.argv[1:]:\n"
+        "    importlib.import_module(module)\n"
+        "print(asked, len(os.listdir('/proc/self/task')) - threads)\n")
+    out = subprocess.run([sys.executable, "-c", probe, *FORK_SERVER_PRELOAD], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.strip() == "[] 0", out.stdout + out.stderr
 
 
 LAUNCH_AND_HANG = """

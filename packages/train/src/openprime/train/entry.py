@@ -26,8 +26,10 @@ import sys
 from multiprocessing import forkserver
 
 # What the fork server imports before it forks a node. openprime.train.forkserver first: it makes the server ignore
-# the signals that stop a run, and a Ctrl-C while the server imports torch would otherwise end it.
-FORK_SERVER_PRELOAD = ("openprime.train.forkserver", "torch", "openprime.train.launcher")
+# the signals that stop a run, and a Ctrl-C while the server imports torch would otherwise end it. torch._dynamo:
+# the first normal_() on a meta tensor (the model is built on the meta device) imports it, 1.0-1.4 s of every node's
+# start here; it starts no thread and asks CUDA nothing (test_launcher.py).
+FORK_SERVER_PRELOAD = ("openprime.train.forkserver", "torch", "torch._dynamo", "openprime.train.launcher")
 
 
 def start_fork_server() -> None:
