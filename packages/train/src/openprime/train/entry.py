@@ -69,6 +69,9 @@ def starts_nodes(argv: list[str]) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The program (the `openprime` script, `python -m openprime.train`). A launch ends the whole process when it
+    exits, without the interpreter's teardown and with its code: inside another program (a test) call
+    openprime.train.cli.main instead."""
     argv = sys.argv[1:] if argv is None else argv
     if not starts_nodes(argv):
         from openprime.train.cli import main as cli_main
