@@ -25,6 +25,7 @@ result lands within ~1e-16 (relative) of an fp32 rounding boundary.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -99,3 +100,28 @@ def finish_codebook(sums_256: torch.Tensor, counts_256: torch.Tensor, params: Qu
     """Step 5: fp32 codebook from float64 per-bucket sums and integer counts (CPU tensors)."""
     means_256 = sums_256.double() / counts_256.clamp(min=1).double()
     return torch.where(counts_256 > 0, means_256, bucket_centres(params)).float()
+
+
+# A backend's decode: codebook[codes] written into `out` (accumulate=False) or added to it (True), in place, in fp32.
+Decode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
+
+
+def decoders(decode: Decode) -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor],
+                                      Callable[..., torch.Tensor]]:
+    """A backend's three public decode functions over its `decode`: (dequantize_add_, dequantize_into_,
+    dequantize_int8). Each backend module binds them to those names (torch_ops, native_ops, triton_ops)."""
+
+    def dequantize_add_(acc: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+        """acc += codebook[codes] in fp32, in place; returns acc."""
+        return decode(acc, codes, codebook, True)
+
+    def dequantize_into_(out: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+        """out = codebook[codes], in place; returns out."""
+        return decode(out, codes, codebook, False)
+
+    def dequantize_int8(codes: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+        """codebook[codes] as a new float32 tensor of the codes' shape."""
+        out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
+        return decode(out, codes, codebook, False)
+
+    return dequantize_add_, dequantize_into_, dequantize_int8

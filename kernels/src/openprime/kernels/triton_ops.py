@@ -37,6 +37,7 @@ from openprime.kernels.params import (
     QuantParams,
     check_input,
     check_range_sigmas,
+    decoders,
     finish_codebook,
     non_finite_error,
     quant_params,
@@ -194,17 +195,4 @@ def _decode(out: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor, accu
     return out
 
 
-def dequantize_add_(acc: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
-    """acc += codebook[codes] in fp32, in place; returns acc."""
-    return _decode(acc, codes, codebook, accumulate=True)
-
-
-def dequantize_into_(out: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
-    """out = codebook[codes], in place; returns out."""
-    return _decode(out, codes, codebook, accumulate=False)
-
-
-def dequantize_int8(codes: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
-    """codebook[codes] as a new float32 tensor of the codes' shape."""
-    out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
-    return dequantize_into_(out, codes, codebook)
+dequantize_add_, dequantize_into_, dequantize_int8 = decoders(_decode)
