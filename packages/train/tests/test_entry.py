@@ -1,6 +1,7 @@
 """The `openprime` program (openprime.train.entry): a launch starts its fork server first, and neither the server
 nor the interpreter's teardown holds the command's output open after it is done."""
 
+import contextlib
 import os
 import pathlib
 import signal
@@ -11,20 +12,18 @@ import time
 import pytest
 
 from openprime.train.entry import starts_nodes
+from openprime.train.testing import process_ended
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
-def _alive_in_group(pgid: int) -> list[str]:
+def _alive_in_group(pgid: int) -> list[int]:
     """The processes of process group `pgid` that have not exited (a zombie waits for its new parent to reap it)."""
     alive = []
-    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "(comm)": state, ppid, pgrp, ...
-        except OSError:  # it ended meanwhile
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            alive.append(stat.parent.name)
+    for pid in (int(p.name) for p in pathlib.Path("/proc").iterdir() if p.name.isdigit()):
+        with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+            if os.getpgid(pid) == pgid and not process_ended(pid):
+                alive.append(pid)
     return alive
 
 

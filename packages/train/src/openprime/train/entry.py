@@ -73,14 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     exits, without the interpreter's teardown and with its code: inside another program (a test) call
     openprime.train.cli.main instead."""
     argv = sys.argv[1:] if argv is None else argv
-    if not starts_nodes(argv):
-        from openprime.train.cli import main as cli_main
-
-        return cli_main(argv)
-    atexit.register(_exit_now)  # first, so that it runs last
-    start_fork_server()
+    if starts_nodes(argv):
+        atexit.register(_exit_now)  # first, so that it runs last
+        start_fork_server()
     from openprime.train.cli import main as cli_main  # the command's imports: torch and all of openprime.train
 
     code = cli_main(argv)
-    _exit_code.append(code)
+    _exit_code.append(code)  # read by _exit_now, registered for a launch only
     return code
