@@ -46,25 +46,39 @@ _SOURCE = r"""
 #include <torch/extension.h>
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 namespace py = pybind11;
 
+// GCC/Clang vector types: one instruction on all lanes; plain C++ arithmetic otherwise.
+typedef double v2d __attribute__((vector_size(16)));
+typedef double v4d __attribute__((vector_size(32)));
+
 // params.py step 1: S = sum(x - p), Q = sum((x - p)^2) in float64; x - p is exact in float64.
-// Eight interleaved partial sums, added in a fixed order: the same result on every call.
+// Eight interleaved partial sums (two vectors of four lanes: element i goes to lane i mod 8), added in a
+// fixed order: the same result on every call.
 std::vector<double> stats(const torch::Tensor& x, double pivot) {
   const float* a = x.data_ptr<float>();
   const int64_t n = x.numel();
-  double s[8] = {0}, q[8] = {0};
+  const v4d p = {pivot, pivot, pivot, pivot};
+  v4d s0 = {0, 0, 0, 0}, s1 = s0, q0 = s0, q1 = s0;
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    for (int j = 0; j < 8; j++) {
-      const double d = (double)a[i + j] - pivot;
-      s[j] += d;
-      q[j] += d * d;
-    }
+    v4d d0 = {(double)a[i], (double)a[i + 1], (double)a[i + 2], (double)a[i + 3]};
+    v4d d1 = {(double)a[i + 4], (double)a[i + 5], (double)a[i + 6], (double)a[i + 7]};
+    d0 -= p;
+    d1 -= p;
+    s0 += d0;
+    s1 += d1;
+    q0 += d0 * d0;
+    q1 += d1 * d1;
   }
   double S = 0, Q = 0;
-  for (int j = 0; j < 8; j++) { S += s[j]; Q += q[j]; }
+  for (int j = 0; j < 4; j++) { S += s0[j]; Q += q0[j]; }
+  for (int j = 0; j < 4; j++) { S += s1[j]; Q += q1[j]; }
   for (; i < n; i++) {
     const double d = (double)a[i] - pivot;
     S += d;
@@ -73,9 +87,37 @@ std::vector<double> stats(const torch::Tensor& x, double pivot) {
   return {S, Q};
 }
 
-// params.py steps 4 and 5: codes in fp32 (two roundings, truncation after the clamp; NaN, which the
-// statistics have already rejected, would go to 0 as in the torch path), then per-bucket float64 sums
-// and counts of the block while it is in L1.
+// params.py step 4 for a[b:e): t = (x - lo) * scale in fp32, clamped to [0, 255] (NaN, which the statistics
+// have already rejected, to 0 as in the torch path), truncated. With AVX2, 32 values at a time (the same two
+// roundings, lane by lane); the scalar loop does the rest and everything without AVX2.
+static void codes_block(const float* a, uint8_t* c, int64_t b, int64_t e, float lo, float scale) {
+  int64_t i = b;
+#ifdef __AVX2__
+  const __m256 vlo = _mm256_set1_ps(lo), vscale = _mm256_set1_ps(scale);
+  const __m256 zero = _mm256_setzero_ps(), top = _mm256_set1_ps(255.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' per-lane interleave
+  auto codes8 = [&](const float* q) {
+    __m256 t = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(q), vlo), vscale);
+    t = _mm256_and_ps(t, _mm256_cmp_ps(t, zero, _CMP_GE_OQ));  // !(t >= 0), NaN included -> 0
+    return _mm256_cvttps_epi32(_mm256_min_ps(t, top));
+  };
+  for (; i + 32 <= e; i += 32) {
+    const __m256i w01 = _mm256_packus_epi32(codes8(a + i), codes8(a + i + 8));  // in [0, 255]: packs are exact
+    const __m256i w23 = _mm256_packus_epi32(codes8(a + i + 16), codes8(a + i + 24));
+    _mm256_storeu_si256((__m256i*)(c + i), _mm256_permutevar8x32_epi32(_mm256_packus_epi16(w01, w23), order));
+  }
+#endif
+  for (; i < e; i++) {
+    float t = (a[i] - lo) * scale;
+    t = !(t >= 0.f) ? 0.f : (t > 255.f ? 255.f : t);
+    c[i] = (uint8_t)(int32_t)t;
+  }
+}
+
+// params.py steps 4 and 5: the codes of a cache-sized block, then its per-bucket float64 sums and counts
+// while it is in L1. A bucket's sum and count are one 16-byte pair {sum, count} (a count as a double is
+// exact below 2^53), so each value costs one load-add-store; four interleaved histograms, so that repeated
+// buckets do not serialise on one memory location.
 void bucketize(const torch::Tensor& x, torch::Tensor& codes, torch::Tensor& sums, torch::Tensor& counts,
                double lo64, double scale64) {
   const float* a = x.data_ptr<float>();
@@ -84,32 +126,28 @@ void bucketize(const torch::Tensor& x, torch::Tensor& codes, torch::Tensor& sums
   const float lo = (float)lo64, scale = (float)scale64;
   constexpr int64_t kBlock = 4096;
   constexpr int kWays = 4;
-  double hs[kWays][256] = {{0}};
-  int64_t hc[kWays][256] = {{0}};
+  alignas(64) v2d h[kWays][256];
+  std::memset(h, 0, sizeof(h));
   for (int64_t b = 0; b < n; b += kBlock) {
     const int64_t e = std::min(n, b + kBlock);
-    for (int64_t i = b; i < e; i++) {
-      float t = (a[i] - lo) * scale;
-      t = !(t >= 0.f) ? 0.f : (t > 255.f ? 255.f : t);
-      c[i] = (uint8_t)(int32_t)t;
-    }
+    codes_block(a, c, b, e, lo, scale);
     int64_t i = b;
     for (; i + kWays <= e; i += kWays) {
       for (int j = 0; j < kWays; j++) {
-        hs[j][c[i + j]] += (double)a[i + j];
-        hc[j][c[i + j]] += 1;
+        const v2d v = {(double)a[i + j], 1.0};
+        h[j][c[i + j]] += v;
       }
     }
     for (; i < e; i++) {
-      hs[0][c[i]] += (double)a[i];
-      hc[0][c[i]] += 1;
+      const v2d v = {(double)a[i], 1.0};
+      h[0][c[i]] += v;
     }
   }
   double* S = sums.data_ptr<double>();
   int64_t* C = counts.data_ptr<int64_t>();
   for (int k = 0; k < 256; k++) {
-    S[k] = ((hs[0][k] + hs[1][k]) + hs[2][k]) + hs[3][k];
-    C[k] = hc[0][k] + hc[1][k] + hc[2][k] + hc[3][k];
+    S[k] = ((h[0][k][0] + h[1][k][0]) + h[2][k][0]) + h[3][k][0];
+    C[k] = (int64_t)(((h[0][k][1] + h[1][k][1]) + h[2][k][1]) + h[3][k][1]);
   }
 }
 
