@@ -33,7 +33,6 @@ from openprime.kernels.params import (
     check_input,
     check_range_sigmas,
     decoders,
-    finish_codebook,
     non_finite_error,
     quant_params,
 )
@@ -57,12 +56,13 @@ namespace py = pybind11;
 typedef double v2d __attribute__((vector_size(16)));
 typedef double v4d __attribute__((vector_size(32)));
 
-// params.py step 1: S = sum(x - p), Q = sum((x - p)^2) in float64; x - p is exact in float64.
-// Eight interleaved partial sums (two vectors of four lanes: element i goes to lane i mod 8), added in a
-// fixed order: the same result on every call.
-std::vector<double> stats(const torch::Tensor& x, double pivot) {
+// params.py step 1 for the non-empty x: (p, S, Q) with the pivot p = x[0], S = sum(x - p), Q = sum((x - p)^2)
+// in float64; x - p is exact in float64. Eight interleaved partial sums (two vectors of four lanes: element
+// i goes to lane i mod 8), added in a fixed order: the same result on every call.
+std::vector<double> stats(const torch::Tensor& x) {
   const float* a = x.data_ptr<float>();
   const int64_t n = x.numel();
+  const double pivot = a[0];
   const v4d p = {pivot, pivot, pivot, pivot};
   v4d s0 = {0, 0, 0, 0}, s1 = s0, q0 = s0, q1 = s0;
   int64_t i = 0;
@@ -84,7 +84,7 @@ std::vector<double> stats(const torch::Tensor& x, double pivot) {
     S += d;
     Q += d * d;
   }
-  return {S, Q};
+  return {pivot, S, Q};
 }
 
 // params.py step 4 for a[b:e): t = (x - lo) * scale in fp32, clamped to [0, 255] (NaN, which the statistics
@@ -117,12 +117,15 @@ static void codes_block(const float* a, uint8_t* c, int64_t b, int64_t e, float 
 // params.py steps 4 and 5: the codes of a cache-sized block, then its per-bucket float64 sums and counts
 // while it is in L1. A bucket's sum and count are one 16-byte pair {sum, count} (a count as a double is
 // exact below 2^53), so each value costs one load-add-store; four interleaved histograms, so that repeated
-// buckets do not serialise on one memory location.
-void bucketize(const torch::Tensor& x, torch::Tensor& codes, torch::Tensor& sums, torch::Tensor& counts,
-               double lo64, double scale64) {
+// buckets do not serialise on one memory location. Returns (codes, codebook): a bucket's mean rounded to
+// fp32, or for an empty bucket its centre fp32(lo64 + (k + 0.5) * step64), as params.finish_codebook.
+std::vector<torch::Tensor> bucketize(const torch::Tensor& x, double lo64, double scale64, double centre_lo64,
+                                     double step64) {
   const float* a = x.data_ptr<float>();
-  uint8_t* c = codes.data_ptr<uint8_t>();
   const int64_t n = x.numel();
+  torch::Tensor codes = torch::empty({n}, torch::kUInt8);
+  torch::Tensor codebook = torch::empty({256}, torch::kFloat32);
+  uint8_t* c = codes.data_ptr<uint8_t>();
   const float lo = (float)lo64, scale = (float)scale64;
   constexpr int64_t kBlock = 4096;
   constexpr int kWays = 4;
@@ -143,12 +146,13 @@ void bucketize(const torch::Tensor& x, torch::Tensor& codes, torch::Tensor& sums
       h[0][c[i]] += v;
     }
   }
-  double* S = sums.data_ptr<double>();
-  int64_t* C = counts.data_ptr<int64_t>();
+  float* cb = codebook.data_ptr<float>();
   for (int k = 0; k < 256; k++) {
-    S[k] = ((h[0][k][0] + h[1][k][0]) + h[2][k][0]) + h[3][k][0];
-    C[k] = (int64_t)(((h[0][k][1] + h[1][k][1]) + h[2][k][1]) + h[3][k][1]);
+    const double sum = ((h[0][k][0] + h[1][k][0]) + h[2][k][0]) + h[3][k][0];
+    const double count = ((h[0][k][1] + h[1][k][1]) + h[2][k][1]) + h[3][k][1];
+    cb[k] = (float)(count > 0 ? sum / count : ((double)k + 0.5) * step64 + centre_lo64);
   }
+  return {codes, codebook};
 }
 
 // out = codebook[codes], or out += codebook[codes], in fp32. With AVX2, eight codes at a time are read as
@@ -227,12 +231,14 @@ def bucketize_and_codebook(x_N: torch.Tensor, params: QuantParams) -> tuple[torc
     ext = extension()
     if ext is None or x_N.numel() == 0:
         return torch_ops.bucketize_and_codebook(x_N, params)
-    x_N = x_N.contiguous()
-    codes_N = torch.empty(x_N.numel(), dtype=torch.uint8)
-    sums_K = torch.empty(NUM_BUCKETS, dtype=torch.float64)
-    counts_K = torch.empty(NUM_BUCKETS, dtype=torch.int64)
-    ext.bucketize(x_N, codes_N, sums_K, counts_K, params.lo, params.scale)
-    return codes_N, finish_codebook(sums_K, counts_K, params)
+    codes_N, codebook_K = ext.bucketize(x_N.contiguous(), params.lo, params.scale, params.lo64, params.step64)
+    return codes_N, codebook_K
+
+
+# The ring calls the codec on every 2^20-value segment, and each torch call from Python lets the transports'
+# threads take the GIL: a flat contiguous CPU tensor, the ring's case, goes to the C++ calls as it is (two
+# calls to encode, one to decode, each holding the GIL only to enter and leave), and anything else is
+# reshaped first.
 
 
 def quantize_int8(x: torch.Tensor, range_sigmas: float = DEFAULT_RANGE_SIGMAS) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,14 +247,14 @@ def quantize_int8(x: torch.Tensor, range_sigmas: float = DEFAULT_RANGE_SIGMAS) -
     ext = extension()
     if ext is None or x.device.type != "cpu" or x.numel() == 0:
         return torch_ops.quantize_int8(x, range_sigmas)
-    x_N = x.detach().reshape(-1).contiguous()
-    n, pivot = x_N.numel(), x_N[0].item()
-    dsum, dsumsq = ext.stats(x_N, pivot)
-    params = quant_params(n, pivot, dsum, dsumsq, check_range_sigmas(range_sigmas))
+    flat = x.dim() == 1 and x.is_contiguous()
+    x_N = x if flat else x.detach().reshape(-1).contiguous()
+    pivot, dsum, dsumsq = ext.stats(x_N)
+    params = quant_params(x_N.numel(), pivot, dsum, dsumsq, check_range_sigmas(range_sigmas))
     if params is None:
         raise non_finite_error(x_N)
-    codes_N, codebook_K = bucketize_and_codebook(x_N, params)
-    return codes_N.reshape(x.shape), codebook_K
+    codes_N, codebook_K = ext.bucketize(x_N, params.lo, params.scale, params.lo64, params.step64)
+    return (codes_N if flat else codes_N.reshape(x.shape)), codebook_K
 
 
 def _decode(out: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor, accumulate: bool) -> torch.Tensor:
@@ -256,9 +262,11 @@ def _decode(out: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor, accu
     if ext is None or out.device.type != "cpu" or out.dtype != torch.float32 or codes.dtype != torch.uint8 \
             or out.numel() != codes.numel() or not out.is_contiguous() or codebook.numel() != NUM_BUCKETS:
         return torch_ops._decode(out, codes, codebook, accumulate)  # its checks and errors
-    codes_N = codes.reshape(-1).to("cpu").contiguous()
-    codebook_K = codebook.to(device="cpu", dtype=torch.float32).contiguous()
-    ext.decode(out.view(-1), codes_N, codebook_K, accumulate)
+    if codes.device.type != "cpu" or not codes.is_contiguous():
+        codes = codes.reshape(-1).to("cpu").contiguous()
+    if codebook.device.type != "cpu" or codebook.dtype != torch.float32 or not codebook.is_contiguous():
+        codebook = codebook.to(device="cpu", dtype=torch.float32).contiguous()
+    ext.decode(out, codes, codebook, accumulate)
     return out
 
 
