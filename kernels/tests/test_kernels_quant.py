@@ -256,6 +256,25 @@ def test_native_matches_reference(kind, n):
 
 
 @native
+@pytest.mark.parametrize("kind", ["normal", "offset", "cauchy", "zeros"])
+@pytest.mark.parametrize("n", SIZES + [1 << 20])
+def test_native_fused_add_then_quantize_is_the_two_calls(kind, n):
+    # The ring's reduce-scatter adds a received chunk in and encodes the sum; the fused C++ takes the sum's
+    # statistics while adding. Same sum, same float64 statistics to the last bit, same codes and codebook.
+    acc, codes_in, codebook_in = make(kind, n, seed=3), *native_ops.quantize_int8(make("normal", n, seed=4))
+    expected_acc = native_ops.dequantize_add_(acc.clone(), codes_in, codebook_in)
+    fused_acc = acc.clone()
+    codes, codebook = native_ops.dequantize_add_quantize_(fused_acc, codes_in, codebook_in)
+    assert torch.equal(fused_acc, expected_acc)
+    want_codes, want_codebook = native_ops.quantize_int8(expected_acc)
+    assert torch.equal(codes, want_codes) and torch.equal(codebook.view(torch.int32), want_codebook.view(torch.int32))
+    if n:
+        ext, again = native_ops.extension(), acc.clone()
+        assert ext.decode_add_stats(again, codes_in, codebook_in) == ext.stats(expected_acc)
+        assert torch.equal(again, expected_acc)
+
+
+@native
 def test_native_given_the_same_range_the_codes_are_bitwise_the_reference():
     x = make("normal", 20_000)
     params = reference.params_of(x)

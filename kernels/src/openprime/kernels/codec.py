@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from openprime.core.codec import Codec
-from openprime.kernels.dispatch import dequantize_add_, dequantize_into_, quantize_int8
+from openprime.kernels.dispatch import dequantize_add_, dequantize_add_quantize_, dequantize_into_, quantize_int8
 from openprime.kernels.params import DEFAULT_RANGE_SIGMAS, NUM_BUCKETS, check_range_sigmas
 
 
@@ -37,6 +37,11 @@ class Int8Codec(Codec):
     def decode_add_(self, acc: torch.Tensor, payload: list[torch.Tensor]) -> None:
         codes, codebook = self._unpack(payload)
         dequantize_add_(acc, codes, codebook)
+
+    def decode_add_encode(self, acc: torch.Tensor, payload: list[torch.Tensor]) -> list[torch.Tensor]:
+        codes, codebook = self._unpack(payload)
+        codes, codebook = dequantize_add_quantize_(acc, codes, codebook, self.range_sigmas)
+        return [codes.reshape(-1), codebook]
 
     def decode_(self, out: torch.Tensor, payload: list[torch.Tensor]) -> None:
         codes, codebook = self._unpack(payload)

@@ -63,3 +63,15 @@ def dequantize_add_(acc: torch.Tensor, codes: torch.Tensor, codebook: torch.Tens
 def dequantize_into_(out: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     """out = codebook[codes], in place; out is contiguous float32 with as many elements as codes."""
     return backend_for(out).dequantize_into_(out, codes, codebook)
+
+
+def dequantize_add_quantize_(acc: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor,
+                             range_sigmas: float = DEFAULT_RANGE_SIGMAS) -> tuple[torch.Tensor, torch.Tensor]:
+    """acc += codebook[codes], then quantize_int8(acc): the same results as the two calls. A backend that fuses
+    them (native_ops: the statistics taken while adding) defines it; for the others it is the two calls."""
+    backend = backend_for(acc)
+    fused = getattr(backend, "dequantize_add_quantize_", None)
+    if fused is not None:
+        return fused(acc, codes, codebook, range_sigmas)
+    backend.dequantize_add_(acc, codes, codebook)
+    return backend.quantize_int8(acc, range_sigmas)

@@ -182,10 +182,57 @@ void decode(torch::Tensor& out, const torch::Tensor& codes, const torch::Tensor&
   }
 }
 
+// out += codebook[codes], then stats(out) (same lanes, same order, same result) while the sums are still in
+// registers: the ring's reduce-scatter encodes every chunk it has just added into, and this saves that
+// encoding a pass over the chunk. Without AVX2: decode, then stats.
+std::vector<double> decode_add_stats(torch::Tensor& out, const torch::Tensor& codes, const torch::Tensor& codebook) {
+#ifdef __AVX2__
+  float* o = out.data_ptr<float>();
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  alignas(64) float cb[256];
+  std::copy(codebook.data_ptr<float>(), codebook.data_ptr<float>() + 256, cb);
+  const int64_t n = out.numel();
+  const double pivot = o[0] + cb[c[0]];
+  const v4d p = {pivot, pivot, pivot, pivot};
+  v4d s0 = {0, 0, 0, 0}, s1 = s0, q0 = s0, q1 = s0;
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t w;
+    std::memcpy(&w, c + i, 8);
+    const __m256 v = _mm256_add_ps(_mm256_loadu_ps(o + i), _mm256_setr_ps(
+        cb[w & 255], cb[(w >> 8) & 255], cb[(w >> 16) & 255], cb[(w >> 24) & 255],
+        cb[(w >> 32) & 255], cb[(w >> 40) & 255], cb[(w >> 48) & 255], cb[w >> 56]));
+    _mm256_storeu_ps(o + i, v);
+    v4d d0 = {(double)o[i], (double)o[i + 1], (double)o[i + 2], (double)o[i + 3]};
+    v4d d1 = {(double)o[i + 4], (double)o[i + 5], (double)o[i + 6], (double)o[i + 7]};
+    d0 -= p;
+    d1 -= p;
+    s0 += d0;
+    s1 += d1;
+    q0 += d0 * d0;
+    q1 += d1 * d1;
+  }
+  double S = 0, Q = 0;
+  for (int j = 0; j < 4; j++) { S += s0[j]; Q += q0[j]; }
+  for (int j = 0; j < 4; j++) { S += s1[j]; Q += q1[j]; }
+  for (; i < n; i++) {
+    o[i] += cb[c[i]];
+    const double d = (double)o[i] - pivot;
+    S += d;
+    Q += d * d;
+  }
+  return {pivot, S, Q};
+#else
+  decode(out, codes, codebook, true);
+  return stats(out);
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stats", &stats, py::call_guard<py::gil_scoped_release>());
   m.def("bucketize", &bucketize, py::call_guard<py::gil_scoped_release>());
   m.def("decode", &decode, py::call_guard<py::gil_scoped_release>());
+  m.def("decode_add_stats", &decode_add_stats, py::call_guard<py::gil_scoped_release>());
 }
 """
 
@@ -249,12 +296,35 @@ def quantize_int8(x: torch.Tensor, range_sigmas: float = DEFAULT_RANGE_SIGMAS) -
         return torch_ops.quantize_int8(x, range_sigmas)
     flat = x.dim() == 1 and x.is_contiguous()
     x_N = x if flat else x.detach().reshape(-1).contiguous()
-    pivot, dsum, dsumsq = ext.stats(x_N)
+    codes_N, codebook_K = _bucketize(ext, x_N, ext.stats(x_N), range_sigmas)
+    return (codes_N if flat else codes_N.reshape(x.shape)), codebook_K
+
+
+def dequantize_add_quantize_(acc: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor,
+                             range_sigmas: float = DEFAULT_RANGE_SIGMAS) -> tuple[torch.Tensor, torch.Tensor]:
+    """acc += codebook[codes], then quantize_int8(acc), with the statistics taken in the adding pass."""
+    ext = extension()
+    if ext is None or not _fusable(acc, codes, codebook) or acc.dim() != 1:
+        _decode(acc, codes, codebook, True)
+        return quantize_int8(acc, range_sigmas)
+    return _bucketize(ext, acc, ext.decode_add_stats(acc, codes, codebook), range_sigmas)
+
+
+def _bucketize(ext: ModuleType, x_N: torch.Tensor, sums: tuple[float, float, float],
+               range_sigmas: float) -> tuple[torch.Tensor, torch.Tensor]:
+    pivot, dsum, dsumsq = sums
     params = quant_params(x_N.numel(), pivot, dsum, dsumsq, check_range_sigmas(range_sigmas))
     if params is None:
         raise non_finite_error(x_N)
-    codes_N, codebook_K = ext.bucketize(x_N, params.lo, params.scale, params.lo64, params.step64)
-    return (codes_N if flat else codes_N.reshape(x.shape)), codebook_K
+    return ext.bucketize(x_N, params.lo, params.scale, params.lo64, params.step64)
+
+
+def _fusable(out: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor) -> bool:
+    """Whether the C++ decoding takes these as they are: contiguous CPU fp32 `out`, uint8 codes, 256 fp32."""
+    return (out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous() and out.numel() > 0
+            and codes.device.type == "cpu" and codes.dtype == torch.uint8 and codes.is_contiguous()
+            and codes.numel() == out.numel() and codebook.device.type == "cpu" and codebook.dtype == torch.float32
+            and codebook.is_contiguous() and codebook.numel() == NUM_BUCKETS)
 
 
 def _decode(out: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor, accumulate: bool) -> torch.Tensor:
@@ -262,9 +332,8 @@ def _decode(out: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor, accu
     if ext is None or out.device.type != "cpu" or out.dtype != torch.float32 or codes.dtype != torch.uint8 \
             or out.numel() != codes.numel() or not out.is_contiguous() or codebook.numel() != NUM_BUCKETS:
         return torch_ops._decode(out, codes, codebook, accumulate)  # its checks and errors
-    if codes.device.type != "cpu" or not codes.is_contiguous():
+    if not _fusable(out, codes, codebook):
         codes = codes.reshape(-1).to("cpu").contiguous()
-    if codebook.device.type != "cpu" or codebook.dtype != torch.float32 or not codebook.is_contiguous():
         codebook = codebook.to(device="cpu", dtype=torch.float32).contiguous()
     ext.decode(out, codes, codebook, accumulate)
     return out

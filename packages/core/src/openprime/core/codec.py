@@ -39,6 +39,15 @@ class Codec(ABC):
     def decode_(self, out: torch.Tensor, payload: list[torch.Tensor]) -> None:
         """out = decode(payload)."""
 
+    def decode_add_encode(self, acc: torch.Tensor, payload: list[torch.Tensor]) -> list[torch.Tensor]:
+        """acc += decode(payload), then the payload of the new acc: exactly `decode_add_` then `encode`.
+
+        The ring's reduce-scatter does this for every chunk it passes on; a codec that can fold part of the
+        encoding into the decoding pass (int8: the statistics of the sum as it is written) overrides it.
+        """
+        self.decode_add_(acc, payload)
+        return self.encode(acc)
+
     def receive_into(self, out: torch.Tensor) -> list[torch.Tensor] | None:
         """Payload buffers that alias `out`, for codecs whose payload is the values themselves (else None).
 
@@ -98,6 +107,9 @@ class DeviceStagingCodec(Codec):
 
     def decode_(self, out: torch.Tensor, payload: list[torch.Tensor]) -> None:
         self.inner.decode_(out, [p.to(out.device) for p in payload])
+
+    def decode_add_encode(self, acc: torch.Tensor, payload: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [_host_copy(p) for p in self.inner.decode_add_encode(acc, [p.to(acc.device) for p in payload])]
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:

@@ -68,6 +68,20 @@ class CodecConformance:
         codec.decode_add_(acc, payload)
         assert torch.equal(acc, expected)
 
+    @pytest.mark.parametrize("numel", NUMELS)
+    def test_decode_add_encode_is_decode_add_then_encode(self, numel):
+        codec = self._codec()
+        payload = codec.encode(_normal(numel, 6, self.device))
+        acc, fused_acc = _normal(numel, 7, self.device), _normal(numel, 7, self.device)
+        codec.decode_add_(acc, payload)
+        expected = codec.encode(acc)
+        got = codec.decode_add_encode(fused_acc, payload)
+        assert torch.equal(fused_acc, acc)
+        assert len(got) == len(expected)
+        for a, b in zip(got, expected, strict=True):
+            assert a.device.type == "cpu" and a.is_contiguous()
+            assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
     def test_a_transports_copy_of_the_payload_decodes_the_same(self):
         codec = self._codec()
         chunk = _normal(4096, 4, self.device)

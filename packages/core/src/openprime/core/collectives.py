@@ -165,9 +165,7 @@ class _Ring:
                                                                        into_result=False)
             for seg, (payload, handle) in zip(self.segments[(r - s - 1) % n], incoming, strict=True):
                 handle.wait()
-                if payload is not None:
-                    self.codec.decode_add_(seg, payload)
-                out = self.codec.encode(seg)
+                out = self.codec.encode(seg) if payload is None else self.codec.decode_add_encode(seg, payload)
                 if last:  # rank r owns this finished chunk: encode it once and hold exactly what others decode
                     self.codec.decode_(seg, out)
                 self._send(out, self.ag_sends if last else self.rs_sends[s + 1])
