@@ -166,18 +166,18 @@ class _Ring:
             for seg, (payload, handle) in zip(self.segments[(r - s - 1) % n], incoming, strict=True):
                 handle.wait()
                 out = self.codec.encode(seg) if payload is None else self.codec.decode_add_encode(seg, payload)
-                if last:  # rank r owns this finished chunk: encode it once and hold exactly what others decode
-                    self.codec.decode_(seg, out)
                 self._send(out, self.ag_sends if last else self.rs_sends[s + 1])
+                if last:  # rank r owns this finished chunk: encode it once and hold exactly what others decode
+                    self.codec.decode_(seg, out)  # after the send is queued: both only read `out`
             incoming = following
         # All-gather: step s receives chunk (r - s) and forwards each segment unchanged at once.
         for s in range(n - 1):
             following = self._post_gather(s + 1) if s < n - 2 else []
             for seg, (payload, handle) in zip(self.segments[(r - s) % n], incoming, strict=True):
                 handle.wait()
-                self.codec.decode_(seg, payload)
-                if s < n - 2:
+                if s < n - 2:  # forwarded before it is decoded here: the next rank need not wait for that
                     self._send(payload, self.ag_sends)
+                self.codec.decode_(seg, payload)
             incoming = following
         for handle in [h for step in self.rs_sends for h in step] + self.ag_sends:
             handle.wait()
