@@ -308,3 +308,26 @@ def test_native_rejects_nan_and_inf(bad):
 def test_native_bad_decode_arguments_get_the_torch_paths_errors():
     with pytest.raises(ValueError, match="same size"):
         native_ops.dequantize_add_(torch.zeros(5), torch.zeros(4, dtype=torch.uint8), torch.zeros(NUM_BUCKETS))
+
+
+def test_a_dead_builds_lock_is_removed_and_a_live_one_waited_for(tmp_path, caplog):
+    # torch's builder waits without bound on a lock file left by a build that was killed; the native path
+    # clears one older than the stale age first, and waits for a younger one (another process building).
+    import os
+    import threading
+    import time
+
+    lock = tmp_path / "lock"
+    native_ops.wait_for_build_lock(str(tmp_path), stale_s=60)  # no lock: returns at once
+    lock.touch()
+    os.utime(lock, (time.time() - 120, time.time() - 120))
+    with caplog.at_level("WARNING", logger="openprime.kernels.native_ops"):
+        native_ops.wait_for_build_lock(str(tmp_path), stale_s=60)
+    assert not lock.exists() and "did not finish" in caplog.text
+    lock.touch()
+    remover = threading.Timer(0.8, lock.unlink)
+    remover.start()
+    started = time.monotonic()
+    native_ops.wait_for_build_lock(str(tmp_path), stale_s=60)
+    remover.join()
+    assert 0.7 < time.monotonic() - started < 10

@@ -16,11 +16,13 @@ core per rank); the GIL is released while the C++ runs, so the transports' threa
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import os
 import platform
+import time
 from types import ModuleType
 
 import torch
@@ -259,17 +261,52 @@ def _cpu_signature() -> str:
     return platform.machine() + "".join(lines)
 
 
+# torch's extension builder takes a lock file in the build directory, and every other process waits for it
+# to go, with no bound and no message: a build killed midway (a node killed while it built, Ctrl-C) would
+# leave every later start waiting for ever. A build takes about 20 s here; a lock older than this is a dead
+# build's, and is removed with a warning.
+BUILD_LOCK_STALE_S = 300.0
+_LOCK_POLL_S = 0.5
+
+
 @functools.cache
 def extension() -> ModuleType | None:
     """The compiled extension (built on the first call), or None if it cannot be built here."""
-    from torch.utils.cpp_extension import load_inline
+    from torch.utils.cpp_extension import get_default_build_root, load_inline
 
     digest = hashlib.sha256((_SOURCE + " ".join(_CFLAGS) + _cpu_signature()).encode()).hexdigest()[:16]
+    name = f"openprime_int8_{digest}"
     try:
-        return load_inline(f"openprime_int8_{digest}", cpp_sources=[_SOURCE], extra_cflags=_CFLAGS)
+        build_dir = os.path.join(get_default_build_root(), name)
+        os.makedirs(build_dir, exist_ok=True)
+        wait_for_build_lock(build_dir)
+        return load_inline(name, cpp_sources=[_SOURCE], extra_cflags=_CFLAGS, build_directory=build_dir)
     except Exception as e:  # no compiler, no headers: the torch path serves
         log.warning("openprime.kernels: could not build the native int8 path (%s); using the torch path", e)
         return None
+
+
+def wait_for_build_lock(build_dir: str, stale_s: float = BUILD_LOCK_STALE_S) -> None:
+    """Return once `build_dir` holds no build lock: wait while another process builds there, and remove a lock
+    older than `stale_s` seconds (its build died), saying so."""
+    lock = os.path.join(build_dir, "lock")
+    said = False
+    while True:
+        try:
+            age = time.time() - os.stat(lock).st_mtime
+        except FileNotFoundError:
+            return
+        if age > stale_s:
+            log.warning("openprime.kernels: removing %s, left %.0f s ago by a build of the native int8 path that "
+                        "did not finish (builds take about 20 s); building again", lock, age)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(lock)
+            return
+        if not said:
+            log.info("openprime.kernels: another process is building the native int8 path in %s; waiting for it "
+                     "(at most %.0f s more)", build_dir, stale_s - age)
+            said = True
+        time.sleep(_LOCK_POLL_S)
 
 
 def available() -> bool:
