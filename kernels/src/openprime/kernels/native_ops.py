@@ -157,6 +157,16 @@ std::vector<torch::Tensor> bucketize(const torch::Tensor& x, double lo64, double
   return {codes, codebook};
 }
 
+#ifdef __AVX2__
+// The table entries of the eight codes at c, as one vector: one 64-bit load, eight scalar lookups.
+static inline __m256 lookup8(const float* cb, const uint8_t* c) {
+  uint64_t w;
+  std::memcpy(&w, c, 8);
+  return _mm256_setr_ps(cb[w & 255], cb[(w >> 8) & 255], cb[(w >> 16) & 255], cb[(w >> 24) & 255],
+                        cb[(w >> 32) & 255], cb[(w >> 40) & 255], cb[(w >> 48) & 255], cb[w >> 56]);
+}
+#endif
+
 // out = codebook[codes], or out += codebook[codes], in fp32. With AVX2, eight codes at a time are read as
 // one 64-bit word and their eight table entries become one vector, added and stored at once (one store per
 // eight values rather than per value: 0.29 against 0.46 ns a value here); the scalar loop does the rest.
@@ -169,10 +179,7 @@ void decode(torch::Tensor& out, const torch::Tensor& codes, const torch::Tensor&
   int64_t i = 0;
 #ifdef __AVX2__
   for (; i + 8 <= n; i += 8) {
-    uint64_t w;
-    std::memcpy(&w, c + i, 8);
-    __m256 v = _mm256_setr_ps(cb[w & 255], cb[(w >> 8) & 255], cb[(w >> 16) & 255], cb[(w >> 24) & 255],
-                              cb[(w >> 32) & 255], cb[(w >> 40) & 255], cb[(w >> 48) & 255], cb[w >> 56]);
+    __m256 v = lookup8(cb, c + i);
     if (accumulate) v = _mm256_add_ps(_mm256_loadu_ps(o + i), v);
     _mm256_storeu_ps(o + i, v);
   }
@@ -200,11 +207,7 @@ std::vector<double> decode_add_stats(torch::Tensor& out, const torch::Tensor& co
   __m256d s0 = _mm256_setzero_pd(), s1 = s0, q0 = s0, q1 = s0;
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    uint64_t w;
-    std::memcpy(&w, c + i, 8);
-    const __m256 v = _mm256_add_ps(_mm256_loadu_ps(o + i), _mm256_setr_ps(
-        cb[w & 255], cb[(w >> 8) & 255], cb[(w >> 16) & 255], cb[(w >> 24) & 255],
-        cb[(w >> 32) & 255], cb[(w >> 40) & 255], cb[(w >> 48) & 255], cb[w >> 56]));
+    const __m256 v = _mm256_add_ps(_mm256_loadu_ps(o + i), lookup8(cb, c + i));
     _mm256_storeu_ps(o + i, v);
     const __m256d d0 = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(v)), p);  // elements i..i+3
     const __m256d d1 = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)), p);  // i+4..i+7
