@@ -310,24 +310,33 @@ def test_native_bad_decode_arguments_get_the_torch_paths_errors():
         native_ops.dequantize_add_(torch.zeros(5), torch.zeros(4, dtype=torch.uint8), torch.zeros(NUM_BUCKETS))
 
 
-def test_a_dead_builds_lock_is_removed_and_a_live_one_waited_for(tmp_path, caplog):
-    # torch's builder waits without bound on a lock file left by a build that was killed; the native path
-    # clears one older than the stale age first, and waits for a younger one (another process building).
-    import os
+def test_a_dead_builds_lock_is_removed_and_a_live_build_waited_for(tmp_path, caplog):
+    # torch's builder waits without bound on a lock file left by a build that was killed. Every native build
+    # holds an flock first, which dies with its process: a torch lock found under it is a dead build's.
     import threading
     import time
 
-    lock = tmp_path / "lock"
-    native_ops.wait_for_build_lock(str(tmp_path), stale_s=60)  # no lock: returns at once
-    lock.touch()
-    os.utime(lock, (time.time() - 120, time.time() - 120))
-    with caplog.at_level("WARNING", logger="openprime.kernels.native_ops"):
-        native_ops.wait_for_build_lock(str(tmp_path), stale_s=60)
-    assert not lock.exists() and "did not finish" in caplog.text
-    lock.touch()
-    remover = threading.Timer(0.8, lock.unlink)
-    remover.start()
-    started = time.monotonic()
-    native_ops.wait_for_build_lock(str(tmp_path), stale_s=60)
-    remover.join()
-    assert 0.7 < time.monotonic() - started < 10
+    (tmp_path / "lock").touch()
+    with caplog.at_level("WARNING", logger="openprime.kernels.native_ops"), \
+            native_ops.exclusive_build(str(tmp_path), wait_s=5):
+        assert not (tmp_path / "lock").exists()
+    assert "did not finish" in caplog.text
+
+    # Another process building (holding the flock) is waited for, and its death ends the wait.
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a'); "
+                               "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)",
+                               str(tmp_path / "openprime-build.lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(TimeoutError, match="building in"), native_ops.exclusive_build(str(tmp_path), wait_s=0.3):
+            pass
+        killer = threading.Timer(0.8, holder.kill)
+        killer.start()
+        started = time.monotonic()
+        with native_ops.exclusive_build(str(tmp_path), wait_s=30):
+            waited = time.monotonic() - started
+        killer.join()
+        assert 0.7 < waited < 10
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)

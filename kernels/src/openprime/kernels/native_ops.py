@@ -18,12 +18,14 @@ core per rank); the GIL is released while the C++ runs, so the transports' threa
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import platform
 import time
+from collections.abc import Iterator
 from types import ModuleType
 
 import torch
@@ -267,9 +269,11 @@ def _cpu_signature() -> str:
 
 # torch's extension builder takes a lock file in the build directory, and every other process waits for it
 # to go, with no bound and no message: a build killed midway (a node killed while it built, Ctrl-C) would
-# leave every later start waiting for ever. A build takes about 20 s here; a lock older than this is a dead
-# build's, and is removed with a warning.
-BUILD_LOCK_STALE_S = 300.0
+# leave every later start waiting for ever. So every build here first takes an flock of its own on a file
+# beside it, which the kernel releases when its holder dies: while a process holds it no other is building,
+# and a torch lock found then is a dead build's. The wait for a live build is bounded; past it the torch path
+# serves. A build takes 20-35 s on 2 cores.
+BUILD_WAIT_S = 600.0
 _LOCK_POLL_S = 0.5
 
 
@@ -278,39 +282,49 @@ def extension() -> ModuleType | None:
     """The compiled extension (built on the first call), or None if it cannot be built here."""
     from torch.utils.cpp_extension import get_default_build_root, load_inline
 
-    digest = hashlib.sha256((_SOURCE + " ".join(_CFLAGS) + _cpu_signature()).encode()).hexdigest()[:16]
-    name = f"openprime_int8_{digest}"
+    # torch's install is in the name: the build files name its headers, so two environments sharing the cache
+    # directory would otherwise rebuild each other's extension each time they alternate.
+    digest = hashlib.sha256((_SOURCE + " ".join(_CFLAGS) + _cpu_signature() + torch.__file__).encode()).hexdigest()
+    name = f"openprime_int8_{digest[:16]}"
     try:
         build_dir = os.path.join(get_default_build_root(), name)
         os.makedirs(build_dir, exist_ok=True)
-        wait_for_build_lock(build_dir)
-        return load_inline(name, cpp_sources=[_SOURCE], extra_cflags=_CFLAGS, build_directory=build_dir)
-    except Exception as e:  # no compiler, no headers: the torch path serves
+        with exclusive_build(build_dir):
+            return load_inline(name, cpp_sources=[_SOURCE], extra_cflags=_CFLAGS, build_directory=build_dir)
+    except Exception as e:  # no compiler, no headers, another build that did not finish in time: the torch path
         log.warning("openprime.kernels: could not build the native int8 path (%s); using the torch path", e)
         return None
 
 
-def wait_for_build_lock(build_dir: str, stale_s: float = BUILD_LOCK_STALE_S) -> None:
-    """Return once `build_dir` holds no build lock: wait while another process builds there, and remove a lock
-    older than `stale_s` seconds (its build died), saying so."""
-    lock = os.path.join(build_dir, "lock")
-    said = False
-    while True:
+@contextlib.contextmanager
+def exclusive_build(build_dir: str, wait_s: float = BUILD_WAIT_S) -> Iterator[None]:
+    """Hold the flock of `build_dir` (waiting at most `wait_s` for another process's build to end; TimeoutError
+    after that) and, under it, remove torch's lock file if a dead build left one."""
+    with open(os.path.join(build_dir, "openprime-build.lock"), "a") as f:
+        deadline, said = time.monotonic() + wait_s, False
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another process has been building in {build_dir} for over {wait_s:.0f} s; "
+                                       "if none is, remove that directory") from None
+                if not said:
+                    log.info("openprime.kernels: another process is building the native int8 path in %s; waiting "
+                             "for it (at most %.0f s)", build_dir, wait_s)
+                    said = True
+                time.sleep(_LOCK_POLL_S)
         try:
-            age = time.time() - os.stat(lock).st_mtime
-        except FileNotFoundError:
-            return
-        if age > stale_s:
-            log.warning("openprime.kernels: removing %s, left %.0f s ago by a build of the native int8 path that "
-                        "did not finish (builds take about 20 s); building again", lock, age)
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(lock)
-            return
-        if not said:
-            log.info("openprime.kernels: another process is building the native int8 path in %s; waiting for it "
-                     "(at most %.0f s more)", build_dir, stale_s - age)
-            said = True
-        time.sleep(_LOCK_POLL_S)
+            torch_lock = os.path.join(build_dir, "lock")
+            if os.path.exists(torch_lock):
+                log.warning("openprime.kernels: removing %s, left by a build of the native int8 path that did not "
+                            "finish (its process is gone); building again", torch_lock)
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(torch_lock)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def available() -> bool:
