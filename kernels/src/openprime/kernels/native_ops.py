@@ -61,19 +61,18 @@ namespace py = pybind11;
 typedef double v2d __attribute__((vector_size(16)));
 typedef double v4d __attribute__((vector_size(32)));
 
-// params.py step 1 for the non-empty x: (p, S, Q) with the pivot p = x[0], S = sum(x - p), Q = sum((x - p)^2)
-// in float64; x - p is exact in float64. Eight interleaved partial sums (two vectors of four lanes: element
-// i goes to lane i mod 8), added in a fixed order: the same result on every call.
-std::vector<double> stats(const torch::Tensor& x) {
-  const float* a = x.data_ptr<float>();
-  const int64_t n = x.numel();
-  const double pivot = a[0];
-  const v4d p = {pivot, pivot, pivot, pivot};
+// params.py step 1: S = sum(x - p), Q = sum((x - p)^2) in float64 around the pivot p; x - p is exact in float64.
+// Eight interleaved partial sums (two vectors of four lanes: element i goes to lane i mod 8), added in a fixed
+// order, then the values past the last full eight one by one: the same result on every call.
+struct Moments {
+  const double pivot;
+  const v4d p;
   v4d s0 = {0, 0, 0, 0}, s1 = s0, q0 = s0, q1 = s0;
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    v4d d0 = {(double)a[i], (double)a[i + 1], (double)a[i + 2], (double)a[i + 3]};
-    v4d d1 = {(double)a[i + 4], (double)a[i + 5], (double)a[i + 6], (double)a[i + 7]};
+
+  explicit Moments(double pivot_) : pivot(pivot_), p{pivot_, pivot_, pivot_, pivot_} {}
+
+  // Elements i..i+3 and i+4..i+7 of a group of eight, as float64.
+  void add8(v4d d0, v4d d1) {
     d0 -= p;
     d1 -= p;
     s0 += d0;
@@ -81,15 +80,32 @@ std::vector<double> stats(const torch::Tensor& x) {
     q0 += d0 * d0;
     q1 += d1 * d1;
   }
-  double S = 0, Q = 0;
-  for (int j = 0; j < 4; j++) { S += s0[j]; Q += q0[j]; }
-  for (int j = 0; j < 4; j++) { S += s1[j]; Q += q1[j]; }
-  for (; i < n; i++) {
-    const double d = (double)a[i] - pivot;
-    S += d;
-    Q += d * d;
+
+  // (p, S, Q), with a[i:n) (fewer than eight) added last.
+  std::vector<double> finish(const float* a, int64_t i, int64_t n) const {
+    double S = 0, Q = 0;
+    for (int j = 0; j < 4; j++) { S += s0[j]; Q += q0[j]; }
+    for (int j = 0; j < 4; j++) { S += s1[j]; Q += q1[j]; }
+    for (; i < n; i++) {
+      const double d = (double)a[i] - pivot;
+      S += d;
+      Q += d * d;
+    }
+    return {pivot, S, Q};
   }
-  return {pivot, S, Q};
+};
+
+// Step 1 for the non-empty x, with the pivot p = x[0].
+std::vector<double> stats(const torch::Tensor& x) {
+  const float* a = x.data_ptr<float>();
+  const int64_t n = x.numel();
+  Moments m(a[0]);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    m.add8(v4d{(double)a[i], (double)a[i + 1], (double)a[i + 2], (double)a[i + 3]},
+           v4d{(double)a[i + 4], (double)a[i + 5], (double)a[i + 6], (double)a[i + 7]});
+  }
+  return m.finish(a, i, n);
 }
 
 // params.py step 4 for a[b:e): t = (x - lo) * scale in fp32, clamped to [0, 255] (NaN, which the statistics
@@ -205,35 +221,15 @@ std::vector<double> decode_add_stats(torch::Tensor& out, const torch::Tensor& co
   alignas(64) float cb[256];
   std::copy(codebook.data_ptr<float>(), codebook.data_ptr<float>() + 256, cb);
   const int64_t n = out.numel();
-  const double pivot = o[0] + cb[c[0]];
-  const __m256d p = _mm256_set1_pd(pivot);
-  __m256d s0 = _mm256_setzero_pd(), s1 = s0, q0 = s0, q1 = s0;
+  Moments m(o[0] + cb[c[0]]);  // the pivot is the sum's first value
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m256 v = _mm256_add_ps(_mm256_loadu_ps(o + i), lookup8(cb, c + i));
     _mm256_storeu_ps(o + i, v);
-    const __m256d d0 = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(v)), p);  // elements i..i+3
-    const __m256d d1 = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)), p);  // i+4..i+7
-    s0 = _mm256_add_pd(s0, d0);
-    s1 = _mm256_add_pd(s1, d1);
-    q0 = _mm256_add_pd(q0, _mm256_mul_pd(d0, d0));
-    q1 = _mm256_add_pd(q1, _mm256_mul_pd(d1, d1));
+    m.add8(_mm256_cvtps_pd(_mm256_castps256_ps128(v)), _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
   }
-  alignas(32) double ls0[4], ls1[4], lq0[4], lq1[4];
-  _mm256_store_pd(ls0, s0);
-  _mm256_store_pd(ls1, s1);
-  _mm256_store_pd(lq0, q0);
-  _mm256_store_pd(lq1, q1);
-  double S = 0, Q = 0;
-  for (int j = 0; j < 4; j++) { S += ls0[j]; Q += lq0[j]; }
-  for (int j = 0; j < 4; j++) { S += ls1[j]; Q += lq1[j]; }
-  for (; i < n; i++) {
-    o[i] += cb[c[i]];
-    const double d = (double)o[i] - pivot;
-    S += d;
-    Q += d * d;
-  }
-  return {pivot, S, Q};
+  for (int64_t k = i; k < n; k++) o[k] += cb[c[k]];
+  return m.finish(o, i, n);
 #else
   decode(out, codes, codebook, true);
   return stats(out);
