@@ -18,7 +18,6 @@ core per rank); the GIL is released while the C++ runs, so the transports' threa
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import hashlib
 import logging
@@ -295,7 +294,10 @@ def extension() -> ModuleType | None:
 @contextlib.contextmanager
 def exclusive_build(build_dir: str, wait_s: float = BUILD_WAIT_S) -> Iterator[None]:
     """Hold the flock of `build_dir` (waiting at most `wait_s` for another process's build to end; TimeoutError
-    after that) and, under it, remove torch's lock file if a dead build left one."""
+    after that) and, under it, remove torch's lock file if a dead build left one. POSIX only (fcntl): elsewhere
+    the ImportError sends extension() to the torch path."""
+    import fcntl
+
     with open(os.path.join(build_dir, "openprime-build.lock"), "a") as f:
         deadline, said = time.monotonic() + wait_s, False
         while True:
@@ -333,8 +335,7 @@ def bucketize_and_codebook(x_N: torch.Tensor, params: QuantParams) -> tuple[torc
     ext = extension()
     if ext is None or x_N.numel() == 0:
         return torch_ops.bucketize_and_codebook(x_N, params)
-    codes_N, codebook_K = ext.bucketize(x_N.contiguous(), params.lo, params.scale, params.lo64, params.step64)
-    return codes_N, codebook_K
+    return _bucketize(ext, x_N.contiguous(), params)
 
 
 # The ring calls the codec on every 2^20-value segment, and each torch call from Python lets the transports'
@@ -351,7 +352,7 @@ def quantize_int8(x: torch.Tensor, range_sigmas: float = DEFAULT_RANGE_SIGMAS) -
         return torch_ops.quantize_int8(x, range_sigmas)
     flat = x.dim() == 1 and x.is_contiguous()
     x_N = x if flat else x.detach().reshape(-1).contiguous()
-    codes_N, codebook_K = _bucketize(ext, x_N, ext.stats(x_N), range_sigmas)
+    codes_N, codebook_K = _bucketize(ext, x_N, _params(x_N, ext.stats(x_N), range_sigmas))
     return (codes_N if flat else codes_N.reshape(x.shape)), codebook_K
 
 
@@ -362,17 +363,21 @@ def dequantize_add_quantize_(acc: torch.Tensor, codes: torch.Tensor, codebook: t
     if ext is None or not _fusable(acc, codes, codebook) or acc.dim() != 1:
         _decode(acc, codes, codebook, True)
         return quantize_int8(acc, range_sigmas)
-    return _bucketize(ext, acc, ext.decode_add_stats(acc, codes, codebook), range_sigmas)
+    return _bucketize(ext, acc, _params(acc, ext.decode_add_stats(acc, codes, codebook), range_sigmas))
 
 
-def _bucketize(ext: ModuleType, x_N: torch.Tensor, sums: tuple[float, float, float],
-               range_sigmas: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Steps 2-5 for the flat chunk x_N whose statistics (pivot, S, Q) the C++ has taken: (codes, codebook)."""
-    pivot, dsum, dsumsq = sums
-    params = quant_params(x_N.numel(), pivot, dsum, dsumsq, check_range_sigmas(range_sigmas))
+def _params(x_N: torch.Tensor, sums: tuple[float, float, float], range_sigmas: float) -> QuantParams:
+    """Steps 2-3 for the flat chunk x_N whose statistics (pivot, S, Q) the C++ has taken."""
+    params = quant_params(x_N.numel(), *sums, check_range_sigmas(range_sigmas))
     if params is None:
         raise non_finite_error(x_N)
-    return ext.bucketize(x_N, params.lo, params.scale, params.lo64, params.step64)
+    return params
+
+
+def _bucketize(ext: ModuleType, x_N: torch.Tensor, params: QuantParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps 4-5 in C++: (codes_N, codebook_K)."""
+    codes_N, codebook_K = ext.bucketize(x_N, params.lo, params.scale, params.lo64, params.step64)
+    return codes_N, codebook_K
 
 
 def _fusable(out: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor) -> bool:
