@@ -78,3 +78,36 @@ def test_a_close_between_the_open_check_and_the_links_lock_does_not_reconnect():
     finally:
         sender.close()
         receiver.close()
+
+
+def test_a_link_broken_between_the_connect_and_the_dealing_fails_the_send_and_the_next_send_reconnects():
+    # A writer failed (or the peer closed its end) after the send's connect: the send fails at once as a
+    # PeerFailure rather than dealing its chunks to writers whose connections are gone (openprime.core.
+    # stream_transport, shared with the zmq transport since 2026-12-06), and the next send opens a new generation.
+    sender, receiver = _pair("broken-race")
+    connected = sender._connected
+
+    def connected_then_broken(peer, deadline):
+        link = connected(peer, deadline)
+        link.broken = True  # what _send_failed does when a writer of this generation fails
+        return link
+
+    try:
+        got = torch.zeros(4)
+        receiving = receiver.irecv(0, TAG_ALL_REDUCE, [got], deadline=time.monotonic() + 5)
+        sender.send(1, TAG_ALL_REDUCE, [torch.ones(4)], deadline=time.monotonic() + 5)
+        receiving.wait()
+        generation = sender._out[1].generation
+        sender._connected = connected_then_broken
+        with pytest.raises(PeerFailure, match="connection lost"):
+            sender.isend(1, TAG_ALL_REDUCE, [torch.ones(4)], deadline=time.monotonic() + 5)
+        del sender._connected  # the class's again
+        # A new generation: the receiver starts the sender's streams afresh (sequence numbers from 0) and may fail
+        # what was posted before, when the old connections' end reaches it first; what comes after is received.
+        sender.send(1, TAG_ALL_REDUCE, [torch.full((4,), 2.0)], deadline=time.monotonic() + 5)
+        receiver.irecv(0, TAG_ALL_REDUCE, [got], deadline=time.monotonic() + 5).wait()
+        assert torch.equal(got, torch.full((4,), 2.0))
+        assert sender._out[1].generation == generation + 1
+    finally:
+        sender.close()
+        receiver.close()

@@ -17,17 +17,12 @@ are logged with the peer's address, and never stop the transport from serving it
 from __future__ import annotations
 
 import contextlib
-import logging
 import socket
 import threading
-import uuid
 from collections import defaultdict
-from collections.abc import Sequence
-
-import torch
 
 from openprime.core import auth
-from openprime.core.distributed import connect_store, peer_address
+from openprime.core.distributed import peer_address
 from openprime.core.errors import ConfigError, FrameError, OpenPrimeError, PeerFailure
 from openprime.core.frames import (
     KIND_CONTROL,
@@ -37,13 +32,12 @@ from openprime.core.frames import (
     decode_prefix,
     encode_control,
 )
-from openprime.core.mailbox import Mailbox, MailboxReceives
-from openprime.core.outbox import Chunk, ConnectionWriter, deal_message, framed_bytes, now
+from openprime.core.outbox import Chunk, ConnectionWriter, now
 from openprime.core.shaping import LinkShaper
+from openprime.core.stream_transport import OutLink, StreamTransport
 from openprime.core.streams import StreamTransportConfig
-from openprime.core.transport import Handle, Rendezvous, Transport, as_bytes, remaining
+from openprime.core.transport import Rendezvous, remaining
 
-log = logging.getLogger("openprime.transports.tcp")
 TcpTransportConfig = StreamTransportConfig
 _DISCARD_BYTES = 1 << 20
 _BYE = {"op": "bye"}
@@ -77,21 +71,15 @@ def _read_control(sock: socket.socket, who: str) -> dict:
     return decode_control(_recv_exact(sock, n) or b"", who)
 
 
-class _OutLink:
-    """This rank's connections to one peer, and the sequence numbers of what it sent there."""
+class _OutLink(OutLink):
+    """OutLink with the link's sockets, one per connection."""
 
     def __init__(self, shaper: LinkShaper) -> None:
-        self.lock = threading.Lock()
-        self.shaper = shaper
-        self.writers: list[ConnectionWriter] = []
+        super().__init__(shaper)
         self.sockets: list[socket.socket] = []
-        self.next_seq: dict[int, int] = defaultdict(int)
-        self.generation = 0
-        self.broken = True  # nothing connected yet
-        self.turn = 0
 
 
-class TcpTransport(MailboxReceives, Transport):
+class TcpTransport(StreamTransport):
     """Transport over TCP with parallel connections per peer; see the module docstring."""
 
     # irecv_add is Transport's: the message lands in the scratch buffer straight from the socket and is added once
@@ -99,18 +87,10 @@ class TcpTransport(MailboxReceives, Transport):
     # slower here at n=2.
 
     def __init__(self, rendezvous: Rendezvous, rank: int, world_size: int, config: StreamTransportConfig) -> None:
-        super().__init__(rank, world_size)
-        self.config = config
-        self.refusals: list[tuple[str, str]] = []  # (address, reason) of every refused connection or frame
-        self._secret = config.auth.load_secret()
-        self._incarnation = uuid.uuid4().hex
-        self._mailbox = Mailbox(max_unexpected_bytes=config.max_unexpected_bytes)
-        self._closed = threading.Event()
+        super().__init__(rendezvous, rank, world_size, config, kind="tcp", new_link=_OutLink)
         self._lock = threading.Lock()
-        self._out = {p: _OutLink(LinkShaper(config.shaping)) for p in range(world_size) if p != rank}
         self._in_generation: dict[int, tuple[str, int]] = {}
         self._in_sockets: dict[int, list[socket.socket]] = defaultdict(list)
-        self._store = connect_store(rendezvous, config.connect_timeout_s, suffix="/tcp")
         try:
             self._listener = socket.create_server((config.bind_host, 0), backlog=128)
         except OSError as e:
@@ -118,52 +98,9 @@ class TcpTransport(MailboxReceives, Transport):
         port = self._listener.getsockname()[1]
         self._store.set(f"addr/{rank}", f"{config.hostname}:{port}")  # where peers reach it (listen_host: bound)
         threading.Thread(target=self._accept_loop, name=f"tcp-accept-{rank}", daemon=True).start()
-        # Connect to every peer now, in the background, as Gloo does: a peer that dies later is then seen at
-        # once (its connections to us end without a goodbye), and one that cannot be reached fails our receives.
-        for peer in self._out:
-            threading.Thread(target=self._connect_early, args=(peer,), name=f"tcp-connect-{rank}-{peer}",
-                             daemon=True).start()
+        self._connect_early()
 
-    @property
-    def bytes_received(self) -> int:
-        return self._mailbox.bytes_received
-
-    # ------------------------------------------------------------------ sending
-
-    def isend(self, peer: int, tag: int, buffers: Sequence[torch.Tensor], *, deadline: float) -> Handle:
-        link = self._connected(peer, deadline)
-        views = [as_bytes(b) for b in buffers]
-        with link.lock:
-            if not link.writers:  # only close() empties them outside this lock: a doomed try's abort, since _connected
-                raise PeerFailure(peer, "transport is closed")
-            seq = link.next_seq[tag]
-            link.next_seq[tag] = seq + 1
-            handle, link.turn = deal_message(link.writers, link.turn, views, peer=peer, tag=tag, seq=seq,
-                                             chunk_bytes=self.config.effective_chunk_bytes, deadline=deadline,
-                                             on_done=lambda framed: self._count(sent=framed))
-        return handle
-
-    def frame_bytes(self, tag: int, sizes: Sequence[int]) -> int:
-        return framed_bytes(sizes, tag=tag, chunk_bytes=self.config.effective_chunk_bytes)
-
-    def _connect_early(self, peer: int) -> None:
-        try:
-            self._connected(peer, now() + self.config.connect_timeout_s)
-        except PeerFailure as e:
-            if not self._closed.is_set():
-                self._mailbox.peer_lost(peer, e.reason)
-
-    def _connected(self, peer: int, deadline: float) -> _OutLink:
-        self._check_peer(peer)
-        if self._closed.is_set():
-            raise PeerFailure(peer, "transport is closed")
-        link = self._out[peer]
-        with link.lock:
-            if self._closed.is_set():  # closed by another thread since the check above: do not reconnect
-                raise PeerFailure(peer, "transport is closed")
-            if link.broken:
-                self._connect(peer, link, deadline)
-        return link
+    # ------------------------------------------------------------------ sending (isend: StreamTransport)
 
     def _connect(self, peer: int, link: _OutLink, deadline: float) -> None:
         """(Re)open all connections to `peer` as a new generation. Holds link.lock."""
@@ -228,12 +165,6 @@ class TcpTransport(MailboxReceives, Transport):
                 break
         self._send_failed(peer, generation, ConnectionError("peer closed the connection"))
 
-    def _send_failed(self, peer: int, generation: int, error: BaseException) -> None:
-        link = self._out[peer]
-        with link.lock:
-            if link.generation == generation:
-                link.broken = True  # the next send reconnects
-
     def _drop(self, link: _OutLink, *, goodbye: bool = False) -> None:
         stopped = [writer.stop(timeout_s=0.5) for writer in link.writers]
         for sock, writer_done in zip(link.sockets, stopped + [True] * (len(link.sockets) - len(stopped)), strict=True):
@@ -245,10 +176,8 @@ class TcpTransport(MailboxReceives, Transport):
 
     # ------------------------------------------------------------------ receiving
 
-    def _receivable(self, peer: int) -> None:  # irecv: MailboxReceives
-        self._check_peer(peer)
-        if self._closed.is_set():
-            raise PeerFailure(peer, "transport is closed")
+    def _lose_peer(self, peer: int, reason: str) -> None:
+        self._mailbox.peer_lost(peer, reason)
 
     def _accept_loop(self) -> None:
         while not self._closed.is_set():
@@ -345,10 +274,6 @@ class TcpTransport(MailboxReceives, Transport):
             closed = not socks
         if closed:
             self._mailbox.peer_lost(peer, "peer closed its transport")
-
-    def _refuse(self, addr: str, reason: str) -> None:
-        self.refusals.append((addr, reason))
-        log.warning("rank %d refused %s: %s", self.rank, addr, reason)
 
     # ------------------------------------------------------------------ lifetime
 

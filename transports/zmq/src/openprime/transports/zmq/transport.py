@@ -25,23 +25,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import uuid
-from collections import defaultdict
-from collections.abc import Sequence
 
 import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from openprime.core import auth
-from openprime.core.distributed import connect_store, peer_address
+from openprime.core.distributed import peer_address
 from openprime.core.errors import OpenPrimeError, PeerFailure
 from openprime.core.frames import encode_control
-from openprime.core.mailbox import Mailbox, MailboxReceives
-from openprime.core.outbox import Chunk, ConnectionWriter, deal_message, framed_bytes, now
+from openprime.core.outbox import Chunk, ConnectionWriter, now
 from openprime.core.shaping import LinkShaper
+from openprime.core.stream_transport import OutLink, StreamTransport
 from openprime.core.streams import StreamTransportConfig
-from openprime.core.transport import Handle, Rendezvous, Transport, as_bytes, check_add_buffers, remaining
+from openprime.core.transport import Handle, Rendezvous, check_add_buffers, remaining
 from openprime.transports.zmq.allocator import keep_freed_memory
 from openprime.transports.zmq.receiver import Receiver
 from openprime.transports.zmq.wire import BYE, CONTROL_MAX_BYTES, configure, endpoint, parse_control
@@ -66,39 +63,25 @@ class _OutConn:
         self.closed = False
 
 
-class _OutLink:
-    """This rank's connections to one peer, and the sequence numbers of what it sent there."""
+class _OutLink(OutLink):
+    """OutLink with the link's DEALERs, and the generation the receiver thread saw one of them disconnect in."""
 
     def __init__(self, shaper: LinkShaper) -> None:
-        self.lock = threading.Lock()
-        self.shaper = shaper
-        self.writers: list[ConnectionWriter] = []
+        super().__init__(shaper)
         self.conns: list[_OutConn] = []
-        self.next_seq: dict[int, int] = defaultdict(int)
-        self.generation = 0
-        self.broken = True  # nothing connected yet
         self.lost_generation = 0  # set by the receiver thread when a DEALER of that generation disconnects
-        self.turn = 0
 
     @property
     def usable(self) -> bool:
         return not self.broken and self.lost_generation != self.generation
 
 
-class ZmqTransport(MailboxReceives, Transport):
+class ZmqTransport(StreamTransport):
     """Transport over ZeroMQ with parallel connections per peer; see the module docstring."""
 
     def __init__(self, rendezvous: Rendezvous, rank: int, world_size: int, config: StreamTransportConfig) -> None:
-        super().__init__(rank, world_size)
-        self.config = config
-        self.refusals: list[tuple[str, str]] = []  # (address, reason) of every refused connection or frame
-        self._secret = config.auth.load_secret()
-        self._incarnation = uuid.uuid4().hex
-        self._mailbox = Mailbox(max_unexpected_bytes=config.max_unexpected_bytes)
-        self._closed = threading.Event()
+        super().__init__(rendezvous, rank, world_size, config, kind="zmq", new_link=_OutLink)
         self._close_lock = threading.Lock()
-        self._out = {p: _OutLink(LinkShaper(config.shaping)) for p in range(world_size) if p != rank}
-        self._store = connect_store(rendezvous, config.connect_timeout_s, suffix="/zmq")
         keep_freed_memory()  # libzmq's receive buffers would otherwise come back as fresh pages (allocator.py)
         ready_zero_copy()  # before any writer thread: pyzmq's lazy set-up of tracked sends races (zerocopy.py)
         # One I/O thread: the receiver's reasoning about connection ends relies on one thread emitting a
@@ -106,11 +89,7 @@ class ZmqTransport(MailboxReceives, Transport):
         self._ctx = zmq.Context(io_threads=1)
         self._receiver = self._listen()
         self.endpoint = endpoint(config.hostname, self._receiver.port)
-        # Connect to every peer now, in the background, as Gloo does: a peer that dies later is then seen at
-        # once (its connections to us end without a goodbye), and one that cannot be reached fails our receives.
-        for peer in self._out:
-            threading.Thread(target=self._connect_early, args=(peer,), name=f"zmq-connect-{rank}-{peer}",
-                             daemon=True).start()
+        self._connect_early()
 
     def _listen(self) -> Receiver:
         """Bind the ROUTER, start its thread and publish its endpoint; on failure leave nothing behind."""
@@ -131,46 +110,7 @@ class ZmqTransport(MailboxReceives, Transport):
             raise
         return receiver
 
-    @property
-    def bytes_received(self) -> int:
-        return self._mailbox.bytes_received
-
-    # ------------------------------------------------------------------ sending
-
-    def isend(self, peer: int, tag: int, buffers: Sequence[torch.Tensor], *, deadline: float) -> Handle:
-        link = self._connected(peer, deadline)
-        views = [as_bytes(b) for b in buffers]
-        with link.lock:
-            if not link.usable:  # closed or failed since _connected returned
-                raise PeerFailure(peer, "connection lost or transport closed")
-            seq = link.next_seq[tag]
-            link.next_seq[tag] = seq + 1
-            handle, link.turn = deal_message(link.writers, link.turn, views, peer=peer, tag=tag, seq=seq,
-                                             chunk_bytes=self.config.effective_chunk_bytes, deadline=deadline,
-                                             on_done=lambda framed: self._count(sent=framed))
-        return handle
-
-    def frame_bytes(self, tag: int, sizes: Sequence[int]) -> int:
-        return framed_bytes(sizes, tag=tag, chunk_bytes=self.config.effective_chunk_bytes)
-
-    def _connect_early(self, peer: int) -> None:
-        try:
-            self._connected(peer, now() + self.config.connect_timeout_s)
-        except PeerFailure as e:
-            if not self._closed.is_set():
-                self._receiver.lose(peer, e.reason)
-
-    def _connected(self, peer: int, deadline: float) -> _OutLink:
-        self._check_peer(peer)
-        if self._closed.is_set():
-            raise PeerFailure(peer, "transport is closed")
-        link = self._out[peer]
-        with link.lock:
-            if self._closed.is_set():
-                raise PeerFailure(peer, "transport is closed")
-            if not link.usable:
-                self._connect(peer, link, deadline)
-        return link
+    # ------------------------------------------------------------------ sending (isend: StreamTransport)
 
     def _connect(self, peer: int, link: _OutLink, deadline: float) -> None:
         """(Re)open all connections to `peer` as a new generation. Holds link.lock."""
@@ -322,14 +262,6 @@ class ZmqTransport(MailboxReceives, Transport):
         link.lost_generation = generation  # the next send reconnects (no lock: the receiver never waits)
         return True
 
-    def _send_failed(self, peer: int, generation: int, error: BaseException) -> None:
-        link = self._out[peer]
-        if not isinstance(error, PeerFailure):
-            log.warning("rank %d: sending to rank %d failed: %r", self.rank, peer, error)
-        with link.lock:
-            if link.generation == generation:
-                link.broken = True  # the next send reconnects
-
     def _drop(self, link: _OutLink, *, drain_deadline: float, goodbye: bool = False) -> None:
         """Stop the writers (letting queued chunks leave until `drain_deadline`), then close the DEALERs."""
         for writer in link.writers:
@@ -357,16 +289,13 @@ class ZmqTransport(MailboxReceives, Transport):
         self._receivable(peer)
         return self._mailbox.post(peer, tag, [scratch], deadline, acc)
 
+    def _lose_peer(self, peer: int, reason: str) -> None:
+        self._receiver.lose(peer, reason)
+
     def _receivable(self, peer: int) -> None:  # irecv: MailboxReceives; irecv_add
-        self._check_peer(peer)
-        if self._closed.is_set():
-            raise PeerFailure(peer, "transport is closed")
+        super()._receivable(peer)
         if self._receiver.failure is not None:
             raise PeerFailure(peer, self._receiver.failure)
-
-    def _refuse(self, addr: str, reason: str) -> None:
-        self.refusals.append((addr, reason))
-        log.warning("rank %d refused %s: %s", self.rank, addr, reason)
 
     # ------------------------------------------------------------------ lifetime
 
