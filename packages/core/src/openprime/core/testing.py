@@ -3,7 +3,8 @@
 - `openprime.core.harness`: `run_group` (real processes, one thread each, bounded, none left behind),
   `local_group` (transports between threads), `run_threads`, and `ForwardingTransport` (to inject a fault
   into one call of a working transport).
-- `openprime.core.transport_conformance`: `TransportConformance`, the suite every Transport runs.
+- `openprime.core.transport_conformance`: `TransportConformance`, the suite every Transport runs, and
+  `StreamTransportConformance`, its settings for a transport configured by a StreamTransportConfig.
 - `openprime.core.codec_conformance`: `CodecConformance`, the suite every Codec runs.
 
 `run_group`'s fork server preloads this module, and so everything the suites' bodies need.
@@ -21,6 +22,7 @@ from openprime.core.harness import (
 )
 from openprime.core.transport_conformance import (
     DTYPES,
+    StreamTransportConformance,
     TransportConformance,
     dtype_message,
     pattern,
@@ -28,5 +30,5 @@ from openprime.core.transport_conformance import (
 )
 
 __all__ = ["DTYPES", "KILLED", "CodecConformance", "ForwardingTransport", "GroupContext", "LocalTransport",
-           "TransportConformance",
+           "StreamTransportConformance", "TransportConformance",
            "dtype_message", "local_group", "pattern", "per_rank_factory", "run_group", "run_threads"]

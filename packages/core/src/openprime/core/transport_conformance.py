@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+import attrs
 import pytest
 import torch
 
@@ -27,6 +28,7 @@ from openprime.core.distributed import connect_store, gloo_group, host_store
 from openprime.core.errors import ConfigError, PeerFailure
 from openprime.core.harness import KILLED, GroupContext, run_group
 from openprime.core.shaping import LinkShaping
+from openprime.core.streams import StreamTransportConfig
 from openprime.core.transport import Rendezvous, Transport, TransportFactory
 
 # ---------------------------------------------------------------- deterministic payloads
@@ -587,3 +589,28 @@ class TransportConformance:
             pytest.skip("this transport's groups are rebuilt, not reconnected, when a peer restarts")
         first, second = run_group(2, _body_restart, factory=self.factory, args=(self.factory,), timeout_s=60)
         assert first == [7] and second == [1, 2]
+
+
+class StreamTransportConformance(TransportConformance):
+    """The suite for a transport configured by a StreamTransportConfig (TCP, ZeroMQ). Subclass with
+    `create = staticmethod(create_x_transport)` (a top-level `(rendezvous, rank, world_size, config)` function):
+    its shaped, secured and addressed variants are `base_config` with that field changed. They connect in the
+    background and reconnect a restarted peer."""
+
+    create: Callable[..., Transport]
+    base_config = StreamTransportConfig(connect_timeout_s=30)
+    connects_in_background = True
+    supports_restart = True
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.factory = cls.configured()
+        cls.shaped_factory = staticmethod(lambda shaping: cls.configured(shaping=shaping))
+        cls.secured_factory = staticmethod(lambda auth: cls.configured(auth=auth, connect_timeout_s=5))
+        cls.addressed_factory = staticmethod(
+            lambda hostname, listen_host: cls.configured(hostname=hostname, listen_host=listen_host))
+
+    @classmethod
+    def configured(cls, **changes) -> TransportFactory:
+        """The factory with `base_config` changed as given (a partial of `create`: it pickles to the fork server)."""
+        return functools.partial(cls.create, config=attrs.evolve(cls.base_config, **changes))
