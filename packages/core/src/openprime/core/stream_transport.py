@@ -114,8 +114,9 @@ class StreamTransport(MailboxReceives, Transport):
         link = self._connected(peer, deadline)
         views = [as_bytes(b) for b in buffers]
         with link.lock:
-            # Closed since _connected returned (a doomed try's abort, from another thread), or a writer failed.
-            if not link.usable or not link.writers:
+            # Closed since _connected returned (a doomed try's abort, from another thread), or a writer failed. A
+            # usable link has its writers: they are dropped and made only together with `broken`, under this lock.
+            if not link.usable:
                 raise PeerFailure(peer, "transport is closed" if self._closed.is_set() else "connection lost")
             seq = link.next_seq[tag]
             link.next_seq[tag] = seq + 1
