@@ -197,16 +197,57 @@ def test_a_different_model_is_refused_with_the_first_mismatch(tmp_path) -> None:
 
 
 def test_prune_keeps_the_newest_and_removes_leftovers(tmp_path) -> None:
+    parts = ["slot-0", "slot-1"]
     for step in (20, 40, 60):
-        write_part(tmp_path, step, "slot-0", make_state(step), parts=["slot-0"])
+        write_part(tmp_path, step, "slot-0", make_state(step), parts=parts)
+        write_part(tmp_path, step, "slot-1", make_state(step + 1), parts=parts)
     leftover = step_dir(tmp_path, 60) / ".tmp-slot-0-999-dead"
     leftover.mkdir()
-    other = write_part(tmp_path, 20, "slot-1", make_state(7), parts=["slot-0", "slot-1"])
     prune(tmp_path, "slot-0", num_keep=2)
     assert list_steps(tmp_path) == [20, 40, 60]  # step 20 still holds slot-1, which its own node prunes
-    assert not (step_dir(tmp_path, 20) / "slot-0").exists() and other.exists() and not leftover.exists()
+    assert not (step_dir(tmp_path, 20) / "slot-0").exists() and (step_dir(tmp_path, 20) / "slot-1").exists()
+    assert not leftover.exists()
     prune(tmp_path, "slot-1", num_keep=2)
     assert list_steps(tmp_path) == [40, 60]
+
+
+@pytest.mark.parametrize("parts", [["slot-0", "slot-1"], ["slot-0-rank-0", "slot-0-rank-1"]],
+                         ids=["two nodes", "two local ranks"])
+def test_prune_keeps_the_newest_complete_steps_while_a_sibling_part_is_late_failed_or_killed(tmp_path, parts) -> None:
+    """Counting steps alone, a part's writer removed its part of the last complete step while its sibling (another
+    node on a shared disk, or another local rank of the node) still wrote an older one, had failed on a full disk,
+    or was killed before its rename: no step then held both parts, and the run could not resume."""
+    first, second = parts
+    for step in (100, 200):
+        for part in parts:
+            write_part(tmp_path, step, part, make_state(step), parts=parts)
+    # `second` is slow (still writing 300), then fails 400 (full disk), then is killed writing 500.
+    (step_dir(tmp_path, 500) / f".tmp-{second}-999-dead").mkdir(parents=True)
+    for step in (300, 400, 500):
+        write_part(tmp_path, step, first, make_state(step), parts=parts)
+        prune(tmp_path, first, num_keep=1, saved=step)
+        assert latest(tmp_path).step == 200
+    assert [s for s in list_steps(tmp_path) if (step_dir(tmp_path, s) / first).exists()] == [200, 300, 400, 500]
+    write_part(tmp_path, 300, second, make_state(300), parts=parts)  # the slow write of 300 lands
+    prune(tmp_path, second, num_keep=1, saved=300)
+    assert latest(tmp_path).step == 300 and not (step_dir(tmp_path, 200) / second).exists()
+    write_part(tmp_path, 600, first, make_state(600), parts=parts)
+    prune(tmp_path, first, num_keep=1, saved=600)
+    assert list_steps(tmp_path) == [300, 400, 500, 600]  # 300 is complete; 400-600 are not (yet)
+    assert latest(tmp_path).step == 300
+
+
+def test_prune_on_a_disk_of_its_own_counts_the_parts_that_disk_holds(tmp_path) -> None:
+    """A machine saving to its own disk holds only its nodes' parts of every step (here slot-1 of two): those steps
+    are complete for it, and prune keeps `num_keep` of them. A step where the part never finished (only a killed
+    write's leftover, or nothing) does not count."""
+    parts = ["slot-0", "slot-1"]
+    for step in (10, 20, 30):
+        write_part(tmp_path, step, "slot-1", make_state(step), parts=parts)
+    (step_dir(tmp_path, 35) / ".tmp-slot-1-999-dead").mkdir(parents=True)  # killed at a stop; resumed from 30
+    write_part(tmp_path, 40, "slot-1", make_state(40), parts=parts)
+    prune(tmp_path, "slot-1", num_keep=2, saved=40)
+    assert list_steps(tmp_path) == [30, 40]  # 35's leftover removed and not counted: two checkpoints are kept
 
 
 def test_prune_never_removes_the_step_just_saved_nor_later_ones(tmp_path) -> None:

@@ -88,6 +88,11 @@ def step_dir(root: pathlib.Path, step: int) -> pathlib.Path:
     return root / f"step-{step:08d}"
 
 
+def finished_parts(path: pathlib.Path) -> list[str]:
+    """The parts of a step directory that finished saving (renamed into place), sorted."""
+    return sorted(p.name for p in path.iterdir() if p.is_dir() and not p.name.startswith(TMP_PREFIX))
+
+
 def list_steps(root: pathlib.Path) -> list[int]:
     """The steps that have a directory under `root`, oldest first (complete or not)."""
     if not root.is_dir():
@@ -133,6 +138,9 @@ def write_part(root: pathlib.Path, step: int, part: str, state: Mapping[str, Any
             shutil.rmtree(final)
         os.rename(tmp, final)
         fsync_path(target)
+        # The step directory's own entry too (made by this save or a sibling's): a power cut must not lose it while
+        # a later prune's deletions of older steps survive.
+        fsync_path(root)
         return final
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -227,7 +235,7 @@ def verify_step(root: pathlib.Path, step: int, *, checksums: bool = True,
     Checkpoint.parts lists the parts that may be read.
     """
     path = step_dir(root, step)
-    present = sorted(p.name for p in path.iterdir() if p.is_dir() and not p.name.startswith(TMP_PREFIX))
+    present = finished_parts(path)
     if not present:
         raise CorruptCheckpoint(path, "no part finished saving")
     if checksums:
@@ -310,23 +318,52 @@ def writing_pids(root: pathlib.Path, *, since: float = 0.0) -> set[int]:
 
 
 def prune(root: pathlib.Path, part: str, *, num_keep: int, saved: int | None = None) -> list[int]:
-    """Delete this part from all but the newest `num_keep` steps, with leftovers of this part's failed saves.
+    """Delete this part from the steps before the `num_keep` newest complete ones, with leftovers of this part's
+    failed saves.
 
-    A step directory is removed once no part is left in it. Called after a save succeeded (no save of
-    this part is running then), so the newest complete checkpoint is never among those removed. `saved`: the
-    step just saved, which is kept, with the `num_keep - 1` before it; steps after it are another timeline's
-    (a run resumed from an older checkpoint) and are left alone. Returns those later steps.
+    Only complete steps count (`_complete_steps`): a step whose sibling parts are still being written (an
+    asynchronous save slower than a checkpoint interval), failed (a full disk) or were killed is kept, with every
+    step after the oldest of the `num_keep`, so that the newest complete checkpoint is never among those removed.
+    Counting steps alone, one part's writer removed its part of the last complete step while a sibling was still
+    writing the next one: a kill then left no step that held every part. A step directory is removed once no part
+    is left in it. Called after a save succeeded (no save of this part is running then). `saved`: the step just
+    saved; steps after it are another timeline's (a run resumed from an older checkpoint) and are left alone.
+    Returns those later steps.
     """
     steps = list_steps(root)
     later = [s for s in steps if saved is not None and s > saved]
-    kept = [s for s in steps if s not in later]
-    old = set(kept[:-num_keep])
+    complete = _complete_steps(root, [s for s in steps if s not in later])
+    oldest_kept = complete[-num_keep] if len(complete) >= num_keep else None
     for step in steps:
         path = step_dir(root, step)
         for leftover in path.glob(f"{TMP_PREFIX}{part}-*"):  # no save of this part is running now
             shutil.rmtree(leftover, ignore_errors=True)
-        if step in old:
+        if oldest_kept is not None and step < oldest_kept:
             shutil.rmtree(path / part, ignore_errors=True)
         with contextlib.suppress(OSError):
             path.rmdir()  # fails while other parts remain: their nodes prune them
     return later
+
+
+def _complete_steps(root: pathlib.Path, steps: Sequence[int]) -> list[int]:
+    """The steps among `steps` that hold every part this disk holds of their layout, by presence (no checksums).
+
+    A step names its parts (the nodes of its outer step, times the local ranks). A disk shared by the nodes holds
+    them all; a machine saving to its own disk holds only its own nodes' parts. So, within the steps that name the
+    same parts (one layout), the parts this disk holds are those that finished in any of them, and a step is
+    complete when it holds all of those. A step with no finished part, or one whose state.json cannot be read,
+    is not complete.
+    """
+    present: dict[int, frozenset[str]] = {}
+    layout: dict[int, tuple[str, ...]] = {}
+    for step in steps:
+        with contextlib.suppress(OSError):
+            present[step] = frozenset(finished_parts(step_dir(root, step)))
+        for name in sorted(present.get(step, ())):
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                layout[step] = tuple(sorted(part_info(step_dir(root, step) / name)["parts"]))
+                break
+    held: dict[tuple[str, ...], set[str]] = {}
+    for step, parts in layout.items():
+        held.setdefault(parts, set()).update(present[step])
+    return [step for step in steps if step in layout and held[layout[step]] <= present[step]]
