@@ -274,7 +274,7 @@ def test_follow_inner_scales_the_outer_lr_by_the_inner_schedule():
     factor = [0.5]
     config = DiLoCoConfig(num_inner_steps=1, outer_lr_schedule=OuterLrSchedule.FOLLOW_INNER)
     params = [torch.nn.Parameter(theta0.clone()) for _ in range(2)]
-    dilocos = [DiLoCo([p], config=config, transport=t, timeouts=TIMEOUTS, lr_factor=lambda: factor[0])
+    dilocos = [DiLoCo([p], config=config, transport=t, timeouts=TIMEOUTS, lr_factor=lambda _: factor[0])
                for p, t in zip(params, local_group(2), strict=True)]
     reference_params, references = _workers(2, theta0, DiLoCoConfig(num_inner_steps=1, outer_lr=0.7 * 0.5))
     for ps, ds in ((params, dilocos), (reference_params, references)):

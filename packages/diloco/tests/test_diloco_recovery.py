@@ -19,7 +19,7 @@ from openprime.core.state_transfer import TAG_STATE
 from openprime.core.testing import ForwardingTransport, local_group, run_threads
 from openprime.core.timeouts import Timeouts
 from openprime.core.transport import as_bytes
-from openprime.diloco import DiLoCo, DiLoCoConfig, ExtraState, OuterOptimizer, RecoveryMode
+from openprime.diloco import DiLoCo, DiLoCoConfig, ExtraState, OuterLrSchedule, OuterOptimizer, RecoveryMode
 from openprime.diloco.outer import OuterState, outer_update_
 
 
@@ -62,16 +62,24 @@ class FakeOptimizer(ExtraState):
         self.loaded_meta = meta
 
 
+def _warmup_factor(num_inner_steps_done: int) -> float:
+    return min(1.0, (num_inner_steps_done + 1) / 100)
+
+
+@pytest.mark.parametrize("schedule", [OuterLrSchedule.CONSTANT, OuterLrSchedule.FOLLOW_INNER])
 @pytest.mark.parametrize("mode", [RecoveryMode.BLOCKING, RecoveryMode.NON_BLOCKING])
-def test_a_joiner_ends_its_first_outer_step_identical(mode):
+def test_a_joiner_ends_its_first_outer_step_identical(mode, schedule):
+    """With outer_lr_schedule=follow_inner the outer lr follows the run's inner step, which a joiner learns with the
+    state: until 2026-12-07 it read the node's own scheduler, still at step 0 on a joiner when it applied its first
+    outer step with the others, and every replica then stopped with ReplicaDivergence."""
     Admits.stateless, Admits.step = {}, 2
     theta0 = torch.randn(300, generator=torch.Generator().manual_seed(0))
-    config = DiLoCoConfig(num_inner_steps=5, recovery=mode)
+    config = DiLoCoConfig(num_inner_steps=5, recovery=mode, outer_lr_schedule=schedule)
     transports, barrier = local_group(3), threading.Barrier(3)
     params = [torch.nn.Parameter(theta0.clone() if r < 2 else torch.zeros(300)) for r in range(3)]
     extras = [FakeOptimizer(float(r + 1)) for r in range(3)]
     dilocos = [DiLoCo([params[r]], config=config, timeouts=Timeouts(op_s=10.0), membership=Admits(t, barrier),
-                      joining=r == 2, extra=extras[r]) for r, t in enumerate(transports)]
+                      joining=r == 2, extra=extras[r], lr_factor=_warmup_factor) for r, t in enumerate(transports)]
     for d in dilocos[:2]:  # the run is at outer step 2
         d.num_outer_steps_done, d.num_inner_steps_done = 2, 15
     with torch.no_grad():
@@ -95,6 +103,8 @@ def test_a_joiner_ends_its_first_outer_step_identical(mode):
     # with), ready to be sent as a donor's chunk checksums.
     kept = [d.state.shared_digests() for d in dilocos]
     assert all(k is not None and (k == kept[0]).all() for k in kept)
+    lr = 0.7 * (16 / 100 if schedule is OuterLrSchedule.FOLLOW_INNER else 1.0)
+    assert [d.outer_lr for d in dilocos] == [pytest.approx(lr)] * 3
     if mode is RecoveryMode.BLOCKING:
         assert len({r.state_hash for r in results}) == 1 and not dilocos[2].behind
         assert torch.equal(params[2].detach(), params[0].detach())
@@ -110,6 +120,41 @@ def test_a_joiner_ends_its_first_outer_step_identical(mode):
         nxt = run_threads([lambda: member(0), lambda: member(1), dilocos[2].sit_out])
         assert len({r.state_hash for r in nxt}) == 1 and [r.num_contributors for r in nxt] == [2, 2, 2]
         assert dilocos[2].num_inner_steps_done == 20 and dilocos[2].num_outer_steps_done == 4
+
+
+class FailsTheFirstTry(Admits):
+    """The coordinator's verdict on try 0 is a failure (another member's all-reduce broke), after the transfer."""
+
+    def commit(self, step, attempt, ok) -> bool:
+        self.barrier.wait(timeout=10)
+        return attempt > 0
+
+
+def test_a_node_that_received_the_state_in_a_failed_try_is_not_counted_in_the_retry():
+    """A node listed as new from its training loop (resumed from an older checkpoint than the run's: contribute=True)
+    receives the state in try 0, which fails; in try 1 it holds the state and is no longer new. Before 2026-12-07 it
+    then contributed its zero pseudo-gradient (theta minus the weights it had just been given) and was counted: the
+    mean of two deltas was divided by 3."""
+    Admits.stateless, Admits.step = {}, 2
+    theta0 = torch.randn(300, generator=torch.Generator().manual_seed(0))
+    config = DiLoCoConfig(num_inner_steps=5, recovery=RecoveryMode.BLOCKING)
+    transports, barrier = local_group(3), threading.Barrier(3)
+    params = [torch.nn.Parameter(theta0.clone() if r < 2 else torch.zeros(300)) for r in range(3)]
+    dilocos = [DiLoCo([params[r]], config=config, timeouts=Timeouts(op_s=10.0),
+                      membership=FailsTheFirstTry(t, barrier), joining=r == 2) for r, t in enumerate(transports)]
+    for d in dilocos[:2]:
+        d.num_outer_steps_done, d.num_inner_steps_done = 2, 15
+    with torch.no_grad():
+        params[0].add_(0.1)
+        params[1].sub_(0.3)
+    results = run_threads([dilocos[0].sync, dilocos[1].sync, dilocos[2].sync])
+    assert [r.num_tries for r in results] == [2, 2, 2] and [r.num_contributors for r in results] == [2, 2, 2]
+    assert not results[2].contributed and results[2].received_state
+    # The mean pseudo-gradient is (-0.1 + 0.3) / 2 = 0.1; the first Nesterov step (momentum 0) moves theta by
+    # lr x (1 + mu) x 0.1.
+    moved = theta0 - dilocos[0].state.theta
+    assert torch.allclose(moved, torch.full_like(moved, 0.7 * 1.9 * 0.1), atol=1e-6)
+    assert len({r.state_hash for r in results}) == 1
 
 
 def test_the_state_hash_keeps_its_piece_digests_until_theta_or_momentum_are_written():

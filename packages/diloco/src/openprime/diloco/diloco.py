@@ -70,13 +70,16 @@ class DiLoCo:
     def __init__(self, params: Iterable[torch.Tensor], *, config: DiLoCoConfig, timeouts: Timeouts,
                  transport: Transport | None = None, membership: Membership | None = None,
                  codec: Codec | None = None, joining: bool = False, extra: ExtraState | None = None,
-                 lr_factor: Callable[[], float] | None = None) -> None:
-        """`lr_factor`: the inner schedule's current lr over its peak, for outer_lr_schedule=follow_inner."""
+                 lr_factor: Callable[[int], float] | None = None) -> None:
+        """`lr_factor`: the inner schedule's lr over its peak after a number of inner steps, for
+        outer_lr_schedule=follow_inner. A function of the step, not of this node's scheduler: a joiner learns the
+        run's step when it receives the state, in the outer step it applies with the others."""
         if (transport is None) == (membership is None):
             raise ValueError("DiLoCo takes either a transport (a static group) or a membership, not both")
         if config.outer_lr_schedule is OuterLrSchedule.FOLLOW_INNER and lr_factor is None:
             raise ValueError("diloco.outer_lr_schedule=follow_inner needs the inner schedule: pass "
-                             "DiLoCo(..., lr_factor=lambda: scheduler.get_last_lr()[0] / peak_lr)")
+                             "DiLoCo(..., lr_factor=lambda num_inner_steps_done: ...), e.g. a LambdaLR's "
+                             "lr_lambdas[0]")
         self._lr_factor = lr_factor if config.outer_lr_schedule is OuterLrSchedule.FOLLOW_INNER else None
         self.config = config
         self.membership = membership or StaticMembership(transport)
@@ -101,8 +104,11 @@ class DiLoCo:
 
     @property
     def outer_lr(self) -> float:
-        """The outer learning rate of the next outer step (every replica computes the same)."""
-        return self.config.outer_lr * (self._lr_factor() if self._lr_factor is not None else 1.0)
+        """The outer learning rate of the outer step at `num_inner_steps_done` (every replica computes the same,
+        a joiner once it holds the state and the run's counters, before it applies the step with the others)."""
+        if self._lr_factor is None:
+            return self.config.outer_lr
+        return self.config.outer_lr * self._lr_factor(self.num_inner_steps_done)
 
     @property
     def has_state(self) -> bool:
@@ -215,7 +221,11 @@ class DiLoCo:
         try:
             if rnd.new_ranks:
                 self._transfer_state(rnd)
-            contributing = contribute and self.has_state and t.rank not in rnd.new_ranks
+            # A node that received the state in this outer step (in an earlier try, which failed after its
+            # transfer) holds the others' weights, not a pseudo-gradient of its own: counted, it would divide
+            # the sum by one node too many.
+            contributing = (contribute and self.has_state and t.rank not in rnd.new_ranks
+                            and not self._received_state)
             delta = self.state.compute_pseudo_gradient(self._delta_device)
             if contributing and not all_finite(delta):
                 log.warning("outer step %d: this replica's pseudo-gradient holds NaN or inf (its inner training "

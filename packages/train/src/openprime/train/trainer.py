@@ -228,7 +228,7 @@ class Node:
                                  membership=self.mesh, codec=codec_for(cfg.diloco.compression), joining=self.joining,
                                  extra=InnerOptimizerState(self.model, self.opt, progress=self._progress,
                                                            adopt_progress=self._adopt_progress),
-                                 lr_factor=lambda: self.sched.get_last_lr()[0] / cfg.optim.lr)
+                                 lr_factor=self.sched.lr_lambdas[0])  # the schedule's factor at a step
         else:
             self.dp = GradientAllReduce(self.model.parameters(), membership=self.mesh, timeouts=cfg.timeouts,
                                         joining=self.joining)
