@@ -125,7 +125,10 @@ def catch_up(cfg: RunConfig, coordinator: str, diloco: DiLoCo, mesh: ElasticDevi
             diloco.rejoin(mesh)
         try:
             results = [diloco.sync(contribute=False)]
-            while not diloco.has_state:  # the transfer broke (its donor died): finish it at the next outer step
+            # The transfer broke (its donor died, or a link to one local rank): finish it at the next outer step.
+            # The local ranks decide together: the mesh lists the node as new while any of them lacks the state
+            # (each then takes it again), and ranks that left this loop apart would meet in other collectives.
+            while local_sum([float(not diloco.has_state)], local_mesh)[0] > 0:
                 say(f"[{mesh.node_id}] the state transfer did not complete; continuing it at the next outer step")
                 results.append(diloco.sync(contribute=False))
             if diloco.behind:  # non-blocking: got the state after the others moved on; join the next outer step

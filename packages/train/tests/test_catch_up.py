@@ -1,0 +1,130 @@
+"""trainer.catch_up with two local ranks (fsdp.num_local_ranks=2) whose state transfers end differently.
+
+Two nodes of two local ranks run as four threads: each local rank is one DiLoCo over its own ring (rank r of
+every node), and a scripted membership lists a node as new while any of its local ranks lacks the state, as
+ElasticDeviceMesh does. The donor's background send to the joiner's local rank 1 fails once (non-blocking
+recovery). Before 2026-12-07 each local rank looped on its own `has_state`: rank 0 left catch_up one outer step
+before rank 1, and the node's ranks then met in different collectives (a hang, or one shard counting the node as
+a contributor and the other not).
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+
+import torch
+
+from openprime.core.errors import PeerFailure
+from openprime.core.membership import Membership, Round
+from openprime.core.testing import local_group
+from openprime.core.timeouts import Timeouts
+from openprime.diloco import DiLoCo, DiLoCoConfig, RecoveryMode
+from openprime.train import trainer
+
+H = 5
+WAIT_S = 20
+
+
+class NodeMembership(Membership):
+    """Local rank `local_rank` of node `node`: the node is new while any of its local ranks reports no state."""
+
+    def __init__(self, transport, node: int, local_rank: int, shared: dict) -> None:
+        self.transport, self.node, self.local_rank, self.shared = transport, node, local_rank, shared
+
+    def begin(self, step, attempt, *, state_hash, hash_step) -> Round:
+        s = self.shared
+        s["hash"][self.node, self.local_rank], s["step"][self.node, self.local_rank] = state_hash, step
+        s["barrier"].wait(WAIT_S)
+        stateless = {n for n in range(2) if any(s["hash"][n, r] is None for r in range(2))}
+        run_step = max(s["step"][n, self.local_rank] for n in range(2) if n not in stateless)
+        s["barrier"].wait(WAIT_S)
+        return Round(transport=self.transport, step=run_step, attempt=attempt, new_ranks=tuple(sorted(stateless)),
+                     donor_rank=0)
+
+    def commit(self, step, attempt, ok) -> bool:
+        return ok
+
+    def abandon(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class LocalSums:
+    """`local_sum` over a node's local ranks, here threads: each node's ranks meet at a barrier of their own."""
+
+    def __init__(self) -> None:
+        self.barriers = {node: threading.Barrier(2) for node in range(2)}
+        self.values: dict[tuple[int, int], list[float]] = {}
+
+    def __call__(self, values, mesh):
+        node, local_rank = mesh
+        self.values[node, local_rank] = list(values)
+        self.barriers[node].wait(WAIT_S)
+        total = [sum(v) for v in zip(self.values[node, 0], self.values[node, 1], strict=True)]
+        self.barriers[node].wait(WAIT_S)
+        return total
+
+
+def test_the_local_ranks_of_a_joiner_leave_catch_up_together_when_one_transfer_breaks(monkeypatch):
+    monkeypatch.setattr(trainer, "local_sum", LocalSums())
+    config = DiLoCoConfig(num_inner_steps=H, recovery=RecoveryMode.NON_BLOCKING)
+    timeouts = Timeouts(op_s=0.5)
+    shared = {"hash": {}, "step": {}, "barrier": threading.Barrier(4)}
+    rings = [local_group(2), local_group(2)]  # one ring per local rank, over the two nodes
+    theta0 = [torch.randn(64, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    dilocos = {}
+    for r in range(2):
+        dilocos[0, r] = DiLoCo([torch.nn.Parameter(theta0[r].clone())], config=config, timeouts=timeouts,
+                               membership=NodeMembership(rings[r][0], 0, r, shared))
+        dilocos[0, r].num_outer_steps_done, dilocos[0, r].num_inner_steps_done = 2, 10
+        dilocos[1, r] = DiLoCo([torch.nn.Parameter(torch.zeros(64))], config=config, timeouts=timeouts,
+                               membership=NodeMembership(rings[r][1], 1, r, shared), joining=True)
+    recovery, send, failed = dilocos[0, 1].recovery, dilocos[0, 1].recovery._send, []
+
+    def send_failing_once(t, rank, offer, timeouts):
+        if threading.current_thread().name == "diloco-donate" and not failed:
+            failed.append(rank)
+            raise PeerFailure(rank, "injected: the link to the joiner's local rank 1 broke")
+        return send(t, rank, offer, timeouts)
+
+    recovery._send = send_failing_once
+    out, errors = {}, []
+
+    def donor(r):
+        d = dilocos[0, r]
+        out["donor", r] = [next(res for _ in range(H) if (res := d.step()) is not None).num_contributors
+                           for _ in range(4)]
+
+    def joiner(r):
+        d = dilocos[1, r]
+        cfg = types.SimpleNamespace(mesh=types.SimpleNamespace(num_join_tries=1))
+        trainer.catch_up(cfg, "", d, types.SimpleNamespace(node_id=f"node-1/{r}", local_rank=r), rejoin=False,
+                         local_mesh=(1, r))
+        out["caught up", r] = (d.num_outer_steps_done, d.num_inner_steps_done, d.behind)
+        result = next(res for _ in range(H) if (res := d.step()) is not None)  # trains to the next outer step
+        out["trained", r] = (result.outer_step, result.num_contributors, result.contributed)
+
+    def guarded(f, r):
+        try:
+            f(r)
+        except BaseException as e:  # noqa: BLE001 - reported by the assertion below
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(f, r)) for f in (donor, joiner) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads) and not errors, errors
+    assert failed == [1]
+    assert out["caught up", 0] == out["caught up", 1]  # the same outer and inner step, and both back in step
+    assert out["trained", 0] == out["trained", 1] == (6, 2, True)  # outer steps are counted from 1 in results
+    # Outer step 2: the joiner is new (rank 1's transfer breaks); 3: new again, both ranks take the state after
+    # the commit; 4: it sits out with a zero pseudo-gradient; 5: it contributes on both rings.
+    assert out["caught up", 0] == (5, 25, False)
+    assert out["donor", 0] == out["donor", 1] == [1, 1, 1, 2]
+    assert torch.equal(dilocos[1, 0].state.theta, dilocos[0, 0].state.theta)
+    assert torch.equal(dilocos[1, 1].state.theta, dilocos[0, 1].state.theta)
