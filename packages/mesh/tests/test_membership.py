@@ -65,6 +65,25 @@ def test_a_failed_try_is_retried_by_all_then_skipped(coordinator):
     _close(clients)
 
 
+def test_a_later_run_s_tries_are_decided_on_their_own_reports_not_an_earlier_run_s(coordinator):
+    """Every node of a run leaves; a new run (started anew, or resumed from an older step) reaches the same outer step
+    and try against the same coordinator. Its tries are new tries: before 2026-12-07 the coordinator answered them
+    with the earlier run's decision at once, "apply" to a member whose all-reduce had failed."""
+    first = _clients(coordinator, 2)
+    run_threads([lambda c=c: c.sync(0) for c in first])
+    assert run_threads([lambda c=c: c.commit(0, 0, True) for c in first]) == [True, True]
+    _close(first)
+    while coordinator.nodes:
+        time.sleep(0.02)
+    later = [MeshClient(coordinator.address, FAST, node_id=f"later-{i}") for i in range(2)]
+    for c in later:
+        c.join()
+    views = run_threads([lambda c=c: c.sync(0) for c in later])
+    assert views[0].epoch > 1 and (views[0].step, views[0].attempt) == (0, 0)
+    assert run_threads([lambda: later[0].commit(0, 0, True), lambda: later[1].commit(0, 0, False)]) == [False, False]
+    _close(later)
+
+
 def _admit(coordinator, clients, step):
     """A node "late" joins and the members' barrier of `step` admits it (it waits there before they arrive)."""
     late = MeshClient(coordinator.address, FAST, node_id="late")

@@ -68,7 +68,11 @@ class Commits:
         self._clock = clock
         self._blame = blame
         self.committee: Committee | None = None
-        self._decisions: dict[tuple[int, int], bool] = {}  # (step, attempt) -> applied
+        # (epoch, step, attempt) -> applied. The epoch tells the tries of a run from those of a later run (its nodes
+        # all gone, resumed from an older step or started anew against this coordinator), whose steps and attempts
+        # start over: keyed by step and attempt alone, its first tries were answered with the earlier run's
+        # decisions, "apply" to a member whose all-reduce had failed.
+        self._decisions: dict[tuple[int, int, int], bool] = {}
 
     def opened(self, *, step: int, attempt: int, epoch: int, members: list[str]) -> None:
         """A view went out: its members report on this try next."""
@@ -80,8 +84,9 @@ class Commits:
         """A member's report on its all-reduce: the decision already taken on that try, or None (answered when every
         member has reported). `epoch` and `members` are the coordinator's view, for a committee it must re-form."""
         key = (message["step"], message["attempt"])
-        if key in self._decisions:
-            return {"op": "decision", "apply": self._decisions[key]}
+        decided = self._decisions.get((message["epoch"], *key))
+        if decided is not None:
+            return {"op": "decision", "apply": decided}
         committee = self.committee
         if committee is None or (committee.step, committee.attempt) != key:
             # A coordinator that restarted mid-commit: the members re-form the committee as they report.
@@ -124,7 +129,7 @@ class Commits:
             return None
         # Apply only if every member of the view reported success: a member that vanished may not have it.
         apply = live == committee.members and all(committee.reports.values())
-        self._decisions[(committee.step, committee.attempt)] = apply
+        self._decisions[(committee.epoch, committee.step, committee.attempt)] = apply
         if apply:
             self._blame.applied(committee.members, committee.ring)
             self._clock.applied(now)
