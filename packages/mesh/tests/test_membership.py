@@ -938,6 +938,48 @@ def _restart(coordinator):
     return Coordinator(coordinator.config, bind=coordinator.address).start()
 
 
+@pytest.mark.parametrize("ok", [True, False], ids=["applied", "not applied"])
+def test_a_coordinator_restarted_before_a_member_heard_the_decision_tells_it_the_one_the_others_heard(ok):
+    """The coordinator decides a try, answers A and dies before B reads its answer; B resends its report to the
+    restarted coordinator, which re-forms the committee from it. A moved on (it trains, or it is at the barrier of
+    the retry) and never reports again. Before 2026-12-07 the committee waited for A's report, evicted A as late, and
+    told B the opposite of what A had heard; now A's messages (its belief: the try applied; its sync for the retry)
+    settle it, and both go on to the same next try."""
+    config = attrs.evolve(FAST, min_straggler_s=0.5)
+    first = Coordinator(config).start()
+    a, b = _clients(first, 2, config)
+    run_threads([lambda c=c: c.sync(0) for c in (a, b)])
+    # B's report goes out on a socket of its own whose answer is never read: the coordinator dies before B reads it.
+    ctx = zmq.Context()
+    lost = ctx.socket(zmq.DEALER)
+    lost.connect(first.address)
+    lost.send(pack({"op": "commit", "req": 10**6, **b._belief(), "step": 0, "attempt": 0, "ok": ok},
+                   run_id=config.run_id, secret=None))
+    assert a.commit(0, 0, True) is ok  # A heard the decision
+    lost.close(linger=0)
+    ctx.term()
+    reborn = _restart(first)
+    try:
+        next_step, next_attempt = (1, 0) if ok else (0, 1)
+
+        def a_goes_on():
+            time.sleep(0.3)  # trains (or goes straight to the retry), then comes to the next barrier
+            return a.sync(next_step, next_attempt)
+
+        def b_resends():
+            heard = b.commit(0, 0, ok)
+            return heard, b.sync(next_step, next_attempt)
+
+        view_a, (heard_b, view_b) = run_threads([a_goes_on, b_resends])
+        assert heard_b is ok
+        assert view_a == view_b and sorted(view_a.members) == ["node-0", "node-1"]
+        assert (view_a.step, view_a.attempt) == (next_step, next_attempt)
+        assert not reborn.evictions
+    finally:
+        _close([a, b])
+        reborn.stop()
+
+
 @contextlib.contextmanager
 def _restarted_every_half_deadline(coordinator):
     """Restart `coordinator` at its address every half straggler deadline, 10 times at most, from a thread; yields

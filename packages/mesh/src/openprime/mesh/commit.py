@@ -10,7 +10,9 @@ in the rendezvous store at once (abort.py): every process of every member stops 
 instead of at its collective deadline, 2(n-1) x op_s.
 
 A coordinator restarted between the view and the reports re-forms the committee from the reports themselves
-(their step and attempt; the members of the view it adopted from the nodes).
+(their step and attempt; the members of the view it adopted from the nodes). One restarted after it decided but
+before every member heard the decision takes it from the messages of a member that heard it (`heard`): that one
+applied the try and says so in its belief, or comes to the barrier of the retry, and never reports again.
 
 This module keeps the committee and the decisions; the coordinator owns membership (who is removed, and when a
 silent member is evicted: `StragglerClock.late_in_commit`) and the socket the answers go out on.
@@ -129,14 +131,47 @@ class Commits:
             return None
         # Apply only if every member of the view reported success: a member that vanished may not have it.
         apply = live == committee.members and all(committee.reports.values())
+        if not apply and live == committee.members:  # nobody was lost, yet a member's all-reduce failed: unexplained
+            self._blame.failed(committee.step, committee.ring, committee.unreachable)
+        if not apply:
+            log.warning("outer step %d try %d not applied: %s", committee.step, committee.attempt,
+                        "a member was lost" if live != committee.members else "a member's all-reduce failed")
+        return self._close(apply, now)
+
+    def heard(self, message: dict) -> bool | None:
+        """How a member's message (any request: its belief; a sync: the try it comes to) shows the open try was
+        decided before this coordinator restarted: True (it applied it: the same epoch and step and `applied`, or a
+        sync for the next step), False (a sync for the step's next try), or None. Only a committee that has reports
+        (its members resend them after a restart; nobody reports on a skipped step's view), and only for the try
+        under way: without a restart a member hears the decision only once every member reported, which closes the
+        committee, so no member of an open committee has heard it."""
+        committee = self.committee
+        if (committee is None or not committee.reports or message["node"] not in committee.members
+                or message["epoch"] != committee.epoch):
+            return None
+        sync = message["op"] == "sync"
+        if message.get("applied") is True and message["step"] == committee.step + (1 if sync else 0):
+            return True
+        if sync and message["step"] == committee.step and message["attempt"] > committee.attempt:
+            return False
+        return None
+
+    def settle(self, apply: bool, now: float) -> Decision:
+        """Close the committee with the decision a member's messages show it heard before this coordinator
+        restarted (it applied the try, or it retries the step): the members still waiting get the same one.
+
+        Re-formed from the reports after a restart, the committee would wait for that member's report, which never
+        comes (it moved on): it was evicted as late, and the others were told the opposite of what it heard."""
+        log.warning("outer step %d try %d was %s before this coordinator restarted (a member's messages say so): "
+                    "the members still waiting are told the same", self.committee.step, self.committee.attempt,
+                    "applied" if apply else "not applied")
+        return self._close(apply, now)
+
+    def _close(self, apply: bool, now: float) -> Decision:
+        committee = self.committee
         self._decisions[(committee.epoch, committee.step, committee.attempt)] = apply
         if apply:
             self._blame.applied(committee.members, committee.ring)
             self._clock.applied(now)
-        elif live == committee.members:  # nobody was lost, yet a member's all-reduce failed: unexplained
-            self._blame.failed(committee.step, committee.ring, committee.unreachable)
         self.committee = None
-        if not apply:
-            log.warning("outer step %d try %d not applied: %s", committee.step, committee.attempt,
-                        "a member was lost" if live != committee.members else "a member's all-reduce failed")
         return Decision(committee=committee, apply=apply)

@@ -200,7 +200,17 @@ class Coordinator:
             return None
         record.incarnation = incarnation
         record.last_seen = self._now()
+        self._settle_from(message)
         return record
+
+    def _settle_from(self, message: dict) -> None:
+        """A member's message that shows how the open try was decided before this coordinator restarted settles
+        it (Commits.heard); the members waiting for the decision get it."""
+        apply = self.commits.heard(message)
+        if apply is not None:
+            decision = self.commits.settle(apply, self._now())
+            for route, req in decision.committee.waiting.values():
+                self._reply(route, req, {"op": "decision", "apply": decision.apply})
 
     def _may_adopt(self) -> bool:
         """Only a coordinator that just (re)started, or has no live member, takes the view the nodes report.
@@ -327,8 +337,11 @@ class Coordinator:
     def _on_commit(self, route: bytes, message: dict) -> dict | None:
         if self._known(message) is None:
             return {"op": "evicted"}
-        return self.commits.report(route, message, sent_at=self._sent_at(message), epoch=self.epoch,
-                                   members=self.members)
+        reply = self.commits.report(route, message, sent_at=self._sent_at(message), epoch=self.epoch,
+                                    members=self.members)
+        for _, _, waiting in list(self._waiting.values()):  # a committee re-formed after a restart: a member may
+            self._settle_from(waiting)                        # already be at the barrier of a later try
+        return reply
 
     def _sent_at(self, message: dict) -> float:
         """When the node first sent this request (on `_now`): it has waited `waited_s` for an answer, across a
