@@ -157,6 +157,22 @@ def test_a_node_that_received_the_state_in_a_failed_try_is_not_counted_in_the_re
     assert len({r.state_hash for r in results}) == 1
 
 
+def test_a_donor_s_offers_name_its_own_state_by_its_inner_step():
+    """A joiner keeps own (optimizer) chunks across offers only from the same origin: a donor's offers at the same
+    outer step but other inner steps (a non-blocking snapshot, then the next barrier's offer after a broken transfer)
+    must not share one, and a blocking retry (the same inner step) keeps it."""
+    from openprime.diloco.recovery import Recovery
+
+    state = OuterState([torch.nn.Parameter(torch.randn(10, generator=torch.Generator().manual_seed(0)))])
+    recovery = Recovery(state, RecoveryMode.NON_BLOCKING, FakeOptimizer(1.0))
+
+    def origin(num_inner_steps_done):
+        counters = {"num_outer_steps_done": 3, "num_inner_steps_done": num_inner_steps_done}
+        return recovery._offer(counters, state.state_hash(), snapshot=True).header["origin"]
+
+    assert origin(15) == origin(15) != origin(20)
+
+
 def test_the_state_hash_keeps_its_piece_digests_until_theta_or_momentum_are_written():
     state = OuterState([torch.nn.Parameter(torch.randn(700_000, generator=torch.Generator().manual_seed(1)))])
     h = state.state_hash()

@@ -83,7 +83,13 @@ class Recovery:
         own, meta = self.extra.own_state() if self.extra is not None else ({}, {})
         if snapshot:  # sent while training changes them
             own = {k: v.detach().clone() for k, v in own.items()}
-        return StateOffer(step=counters["num_outer_steps_done"], origin=self.origin,
+        # The origin names this donor's own state as of its inner step: a joiner keeps own chunks across offers only
+        # from the same one. A non-blocking donor whose background transfer broke offers again at the next barrier,
+        # at the same outer step and hash but H inner steps later: with the donor's id alone the joiner kept the
+        # snapshot's optimizer chunks and took the rest from the live optimizer state. A blocking retry (no inner
+        # step between the tries) keeps them.
+        origin = f"{self.origin}@{counters['num_inner_steps_done']}"
+        return StateOffer(step=counters["num_outer_steps_done"], origin=origin,
                           state_hash=state_hash, shared={"theta": self.state.theta, "momentum": self.state.momentum},
                           own=own, meta={**counters, "extra": meta}, shared_digests=self.state.shared_digests())
 
