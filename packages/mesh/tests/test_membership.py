@@ -430,6 +430,30 @@ def test_a_node_says_when_its_coordinator_goes_silent_and_when_it_answers_again(
     assert len(back) == 1 and "(heartbeat)" in back[0], back
 
 
+def test_a_request_to_a_coordinator_gone_for_good_fails_at_its_deadline():
+    """While the coordinator is unreachable each resend is queued; past the queue's high-water mark (1000 copies) a
+    blocking send waited for ever and the request's deadline never came (with the defaults, after 33 minutes of
+    resends every 2 s). Here resends every 2 ms fill the queue in about 2 s."""
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+    client = MeshClient(address, attrs.evolve(FAST, heartbeat_interval_s=0.002), node_id="alone")
+    outcome = []
+
+    def join():
+        start = time.monotonic()
+        try:
+            client.join(timeout_s=4.0)
+        except PeerFailure:
+            outcome.append(time.monotonic() - start)
+
+    thread = threading.Thread(target=join, daemon=True)
+    thread.start()
+    thread.join(15)
+    assert outcome and 4.0 <= outcome[0] < 6.0, outcome
+    client.close(leave=False)
+
+
 def test_a_node_joining_where_no_coordinator_answers_says_so(caplog):
     # A wrong --join address, or a coordinator not started yet: before, the node waited mesh.sync_timeout_s in silence.
     with socket.socket() as probe:  # a port nothing listens on

@@ -13,6 +13,7 @@ gets `Evicted`: it must rejoin as a new node, never rejoin the others with stale
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -123,7 +124,12 @@ class MeshClient:
         first_sent = time.monotonic()
         while True:
             message["waited_s"] = time.monotonic() - first_sent  # protocol.py: deadlines survive a restart
-            sock.send(pack(message, run_id=self.config.run_id, secret=self._secret))
+            # Never blocking: while the coordinator is unreachable ZeroMQ queues each copy, and at its high-water mark
+            # (1000 messages: 33 minutes of resends every 2 s) a blocking send waited for ever, past this request's
+            # deadline (and the heartbeats' and the deathrattle's with it). A full queue already holds copies of this
+            # request, delivered when the coordinator answers again.
+            with contextlib.suppress(zmq.Again):
+                sock.send(pack(message, run_id=self.config.run_id, secret=self._secret), flags=zmq.NOBLOCK)
             self._warn_if_silent()  # also at join, before there are heartbeats: a wrong address, no coordinator yet
             resend_at = min(deadline, time.monotonic() + self.config.request_timeout_s)
             while (left := resend_at - time.monotonic()) > 0:
@@ -192,8 +198,10 @@ class MeshClient:
                     step=reply["step"], attempt=reply["attempt"], skip=reply["skip"],
                     slots=tuple((n, s) for n, s in reply["slots"]), state_hash=reply.get("state_hash"),
                     donor=reply.get("donor"))
-        self.view, self.store = view, self._reachable(reply["store"]) if "store" in reply else self.store
+        # Cleared before the view is published: the heartbeat thread reads both, and the pair (the new view, applied)
+        # would tell a restarted coordinator that the new try was applied (Commits.heard).
         self._view_applied = False
+        self.view, self.store = view, self._reachable(reply["store"]) if "store" in reply else self.store
         return view
 
     def _reachable(self, store: str) -> str:

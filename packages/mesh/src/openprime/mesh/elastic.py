@@ -168,9 +168,13 @@ class ElasticDeviceMesh(Membership):
         try:
             self._transport = self._factory(Rendezvous(host=host, port=int(port), group=group), rank,
                                             len(view.members))
-        except PeerFailure as e:
+        except (PeerFailure, RuntimeError, OSError) as e:
+            # RuntimeError, OSError: the rendezvous store cannot be reached (torch's DistNetworkError), e.g. the
+            # coordinator that holds it restarted after sending the view. The try fails; the node lives (it died
+            # here before 2026-12-07 with the tcp and zmq transports, which reach the store in their constructor).
             log.warning("could not build the group of epoch %d: %s", view.epoch, e)
-            self._transport = _BrokenTransport(rank, len(view.members), f"group not built: {e.reason}")
+            reason = e.reason if isinstance(e, PeerFailure) else f"{type(e).__name__}: {str(e).splitlines()[0]}"
+            self._transport = _BrokenTransport(rank, len(view.members), f"group not built: {reason}")
         self._epoch = view.epoch
 
     def commit(self, step: int, attempt: int, ok: bool) -> bool:
