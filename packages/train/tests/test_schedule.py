@@ -14,6 +14,7 @@ from openprime.train.schedule import (
     DecayShape,
     ScheduleConfig,
     build_lr_scheduler,
+    follow_schedule,
     validate_schedule,
     wsd_lr_factor,
 )
@@ -111,3 +112,25 @@ def test_scheduler_drives_the_optimizer_and_resumes():
     resumed.load_state_dict(fresh.state_dict())
     resumed_opt.load_state_dict(fresh_opt.state_dict())
     assert resumed.get_last_lr() == fresh.get_last_lr() == [expected[6]]
+
+
+def test_follow_schedule_moves_forward_and_back_to_the_lr_of_a_step():
+    """A node takes a state from a peer or a checkpoint: its schedule goes to that state's step, behind its own one too
+    (a node resumed from a newer checkpoint than the live run it joins): the lr is then exactly that of a scheduler
+    that stepped to it."""
+    def scheduler():
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5)
+        return build_lr_scheduler(opt, num_warmup_steps=20, num_decay_steps=30, num_steps=100,
+                                  shape=DecayShape.COSINE)
+
+    stepped = {}
+    reference = scheduler()
+    for step in range(1, 101):
+        reference.optimizer.step()
+        reference.step()
+        stepped[step] = reference.get_last_lr()[0]
+    sched = scheduler()
+    for step in (15, 60, 40, 85, 10, 100):
+        follow_schedule(sched, step)
+        assert sched.last_epoch == step
+        assert sched.get_last_lr()[0] == stepped[step] == sched.optimizer.param_groups[0]["lr"], step

@@ -239,6 +239,10 @@ def restore_node(state: dict[str, Any], *, model: torch.nn.Module, opt: torch.op
             data_changes[-1] += f"; data slot {batches.slot} is read from its start (data.on_layout_change=restart)"
             batches = None
     configured = [_hyperparameters(group) for group in opt.param_groups]
+    # The global state first (it also puts theta into the model), then the model's own weights: after a skipped
+    # outer step a replica keeps its local weights, which are not theta (until 2026-12-07 theta replaced them and a
+    # resumed run lost that replica's inner steps since its last applied outer step); otherwise they are theta.
+    diloco.load_state_dict(state["diloco"])
     set_model_state_dict(model, sharded_like(state["model"], get_model_state_dict(model)))
     set_optimizer_state_dict(model, opt, sharded_like(state["optim"], get_optimizer_state_dict(model, opt)))
     changed = sorted({f"optim.{OPTIMIZER_FIELDS.get(k, k)} {v} (saved: {saved[k]})"
@@ -248,7 +252,6 @@ def restore_node(state: dict[str, Any], *, model: torch.nn.Module, opt: torch.op
     for group, want in zip(opt.param_groups, configured, strict=True):
         group.update(want)
     follow_schedule(sched, int(state["scheduler"]["last_epoch"]))  # the config's lr at the saved step
-    diloco.load_state_dict(state["diloco"])
     if batches is not None:
         batches.load_state_dict(state["data"])
         if state["data"]["batch_size"] != batches.batch_size:

@@ -98,9 +98,13 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, *, num_warmup_steps: in
 
 def follow_schedule(sched: torch.optim.lr_scheduler.LRScheduler, num_inner_steps_done: int) -> None:
     """Move the learning-rate schedule forward to where the run is (after taking the state from a donor, or
-    from a checkpoint): the lr is the config's peak times the factor at that step, as if it had stepped along."""
+    from a checkpoint): the lr is the config's peak times the factor at that step, as if it had stepped along. Also
+    backwards: a node resumed from a checkpoint newer than the live run it joins takes the run's (older) state, and
+    its schedule stayed ahead of the others' for the rest of the run before 2026-12-07."""
     with warnings.catch_warnings():  # stepping a scheduler before its optimizer is the point here
         warnings.simplefilter("ignore", UserWarning)
+        if num_inner_steps_done < sched.last_epoch:  # LambdaLR's lr is a function of the step alone
+            sched.last_epoch = num_inner_steps_done - 1
         for _ in range(num_inner_steps_done - sched.last_epoch):
             sched.step()
 
