@@ -128,3 +128,46 @@ def test_the_local_ranks_of_a_joiner_leave_catch_up_together_when_one_transfer_b
     assert out["donor", 0] == out["donor", 1] == [1, 1, 1, 2]
     assert torch.equal(dilocos[1, 0].state.theta, dilocos[0, 0].state.theta)
     assert torch.equal(dilocos[1, 1].state.theta, dilocos[0, 1].state.theta)
+
+
+def test_a_node_evicted_and_rejoined_asks_for_its_slot_and_goes_on_with_its_data(monkeypatch):
+    """After an eviction the node registers again: it asks for the data slot it had and, granted it, keeps reading
+    where it was. Before 2026-12-07 it asked for none and rebuilt its batches, reading its slot from the start."""
+    import pathlib
+
+    from openprime.train.recipe import recipe_config
+
+    root = pathlib.Path(__file__).resolve().parents[3]
+    cfg = recipe_config(str(root / "recipes" / "debug.py"), ["checkpoint.mode=off"])
+    asked = []
+
+    def join_mesh(cfg, coordinator, *, slot=-1, local_rank=0, local_mesh=None):
+        asked.append(slot)
+        return types.SimpleNamespace(slot=granted[0], local_rank=local_rank, close=lambda: None)
+
+    class Synced:
+        has_state, behind = True, False
+        num_inner_steps_done = 60
+
+        def rejoin(self, mesh):
+            pass
+
+        def sync(self, *, contribute):
+            return types.SimpleNamespace(bytes_sent=0, bytes_received=0, received_state=True)
+
+    monkeypatch.setattr(trainer, "join_mesh", join_mesh)
+    monkeypatch.setattr(trainer, "follow_schedule", lambda sched, step: None)
+    monkeypatch.setattr(trainer.attrs, "evolve", lambda result, **changes: result)
+    node = trainer.Node.__new__(trainer.Node)
+    node.cfg, node.coordinator, node.ckpt, node.sched, node.local_mesh = cfg, "", None, None, None
+    node.diloco, node.mesh = Synced(), types.SimpleNamespace(slot=1, local_rank=0, close=lambda: None)
+    node._open_slot()
+    for _ in range(60):
+        next(node.batches)
+    position = node.batches.state_dict()
+    granted = [1]
+    node.catch_up(rejoin=True)
+    assert asked == [1] and node.batches.state_dict() == position  # the same slot: its data goes on
+    granted = [2]
+    node.catch_up(rejoin=True)
+    assert asked == [1, 1] and node.batches.slot == 2 and node.batches.batch == 0  # another slot: from its start

@@ -120,8 +120,9 @@ def catch_up(cfg: RunConfig, coordinator: str, diloco: DiLoCo, mesh: ElasticDevi
     """
     for attempt in range(cfg.mesh.num_join_tries):
         if rejoin or attempt:
+            slot = mesh.slot  # asked for again: its data position goes on there (a rejoin without one read from 0)
             mesh.close()
-            mesh = join_mesh(cfg, coordinator, local_rank=mesh.local_rank, local_mesh=local_mesh)
+            mesh = join_mesh(cfg, coordinator, slot=slot, local_rank=mesh.local_rank, local_mesh=local_mesh)
             diloco.rejoin(mesh)
         try:
             results = [diloco.sync(contribute=False)]
@@ -299,10 +300,14 @@ class Node:
 
     def catch_up(self, *, rejoin: bool) -> OuterStepResult:
         """Take the run's state from a live peer at the next outer step (as a new node after an eviction)."""
+        slot = self.mesh.slot
         self.mesh, result = catch_up(self.cfg, self.coordinator, self.diloco, self.mesh, rejoin=rejoin,
                                      local_mesh=self.local_mesh)
         follow_schedule(self.sched, self.diloco.num_inner_steps_done)
-        self._open_slot()
+        if self.batches is None or self.mesh.slot != slot:
+            # Back on its own slot (evicted and rejoined), a node goes on with its data where it was: until
+            # 2026-12-07 it read the slot from its start again, its first batches in the same order.
+            self._open_slot()
         return result
 
     def _open_slot(self) -> None:
