@@ -226,3 +226,27 @@ def test_a_transfer_longer_than_an_all_reduce_deadline_completes(mode):
     assert len({r.state_hash for r in results}) == 1 and [r.num_tries for r in results] == [1, 1, 1]
     assert time.monotonic() - start > 1.3  # the transfer did take longer than the all-reduce's deadline
     assert torch.equal(dilocos[2].state.theta, dilocos[0].state.theta)
+
+
+def test_a_replica_evicted_and_rejoined_reports_the_state_it_holds():
+    """After an eviction a replica rejoins as a new node with its state and reports it at its next outer step: the
+    coordinator makes it a newcomer of a run with live members (it takes their state) or, when every member was
+    evicted at once, one of the run's state holders (test_membership). It used to drop its state here, and a run whose
+    members were all evicted together was refused."""
+    class Records(Admits):
+        reported = []
+
+        def begin(self, step, attempt, *, state_hash, hash_step) -> Round:
+            Records.reported.append((state_hash, hash_step))
+            return Round(transport=self.transport, step=step, attempt=attempt, new_ranks=(), donor_rank=0)
+
+    transport = local_group(1)[0]
+    params = [torch.nn.Parameter(torch.randn(10, generator=torch.Generator().manual_seed(0)))]
+    diloco = DiLoCo(params, config=DiLoCoConfig(num_inner_steps=1), timeouts=Timeouts(op_s=10.0),
+                    membership=Records(transport, threading.Barrier(1)))
+    diloco.num_outer_steps_done = 4
+    held = diloco.state.state_hash()
+    diloco.rejoin(Records(transport, threading.Barrier(1)))
+    assert diloco.has_state
+    diloco.sync(contribute=False)
+    assert Records.reported == [(held, 3)]

@@ -454,6 +454,31 @@ def test_a_request_to_a_coordinator_gone_for_good_fails_at_its_deadline():
     client.close(leave=False)
 
 
+def test_members_all_evicted_at_once_rejoin_with_their_state_and_the_run_goes_on(coordinator):
+    """The coordinator's own link is down longer than the eviction timeout: it evicts every member. Each learns it,
+    registers again as a new node and reports the state it holds (DiLoCo.rejoin keeps it): with no live member left
+    they are the run's state holders, and the run goes on from it. Before 2026-12-07 they rejoined without state and
+    were refused (nobody holding the run's state left)."""
+    clients = _clients(coordinator, 2)
+    run_threads([lambda c=c: c.sync(0, state_hash="h-1", hash_step=-1) for c in clients])
+    run_threads([lambda c=c: c.commit(0, 0, True) for c in clients])
+    for c in clients:  # silent: no heartbeats reach the coordinator
+        c._stop.set()
+        c._heartbeats.join()
+    while coordinator.nodes:
+        time.sleep(0.02)
+    for c in clients:
+        with pytest.raises(Evicted):
+            c.sync(1, state_hash="h0", hash_step=0)
+    again = [MeshClient(coordinator.address, FAST, node_id=f"again-{i}") for i in range(2)]
+    for c in again:
+        c.join()
+    views = run_threads([lambda c=c: c.sync(1, state_hash="h0", hash_step=0) for c in again])
+    assert views[0] == views[1] and sorted(views[0].members) == ["again-0", "again-1"] and not views[0].new
+    assert (views[0].step, views[0].state_hash) == (1, "h0")
+    _close(clients + again)
+
+
 def test_a_node_joining_where_no_coordinator_answers_says_so(caplog):
     # A wrong --join address, or a coordinator not started yet: before, the node waited mesh.sync_timeout_s in silence.
     with socket.socket() as probe:  # a port nothing listens on

@@ -137,9 +137,13 @@ class DiLoCo:
         self._last_hash = self.state.state_hash()
 
     def rejoin(self, membership: Membership) -> None:
-        """Continue under a new membership as a newcomer (after an eviction): the next sync brings the state."""
+        """Continue under a new membership as a newcomer (after an eviction), keeping the state and reporting it:
+        the coordinator lists a joiner of a run with live members as new (it then takes their state, as a node
+        resumed from an older checkpoint does), and a run whose members were all evicted at once (the coordinator's
+        own link down longer than the eviction timeout) goes on with the state they rejoin with. Until 2026-12-07 the
+        state was dropped here, and after such an outage every node rejoined without it and was refused: the live
+        run ended although every node held the same global state."""
         self.membership = membership
-        self._last_hash = None
         self.behind = False
 
     def step(self, *, contribute: bool = True) -> OuterStepResult | None:

@@ -8,7 +8,9 @@ restarted coordinator needs to carry on. A request without an answer is sent aga
 `request_timeout_s` (the coordinator may be restarting) until its own deadline.
 
 A node that the coordinator evicted (it was frozen, or cut off) learns it at its next contact and
-gets `Evicted`: it must rejoin as a new node, never rejoin the others with stale state.
+gets `Evicted`: it must rejoin as a new node. It reports the state it holds (its hash and step), and the coordinator
+decides: a joiner of a run that has live members takes their state (its own may be stale), while nodes that rejoin
+a run with none left (the coordinator's own link was down and it evicted every member) carry the run on with theirs.
 """
 
 from __future__ import annotations
