@@ -203,10 +203,12 @@ def test_prune_keeps_the_newest_and_removes_leftovers(tmp_path) -> None:
         write_part(tmp_path, step, "slot-1", make_state(step + 1), parts=parts)
     leftover = step_dir(tmp_path, 60) / ".tmp-slot-0-999-dead"
     leftover.mkdir()
+    sibling_leftover = step_dir(tmp_path, 20) / ".tmp-slot-1-998-dead"
+    sibling_leftover.mkdir()
     prune(tmp_path, "slot-0", num_keep=2)
-    assert list_steps(tmp_path) == [20, 40, 60]  # step 20 still holds slot-1, which its own node prunes
-    assert not (step_dir(tmp_path, 20) / "slot-0").exists() and (step_dir(tmp_path, 20) / "slot-1").exists()
-    assert not leftover.exists()
+    assert list_steps(tmp_path) == [20, 40, 60] and not leftover.exists()
+    # Step 20 is removed whole, slot-1's part too; only slot-1's leftover stays, for its own next save to remove.
+    assert [p.name for p in step_dir(tmp_path, 20).iterdir()] == [sibling_leftover.name]
     prune(tmp_path, "slot-1", num_keep=2)
     assert list_steps(tmp_path) == [40, 60]
 

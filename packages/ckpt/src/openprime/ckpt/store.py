@@ -318,17 +318,17 @@ def writing_pids(root: pathlib.Path, *, since: float = 0.0) -> set[int]:
 
 
 def prune(root: pathlib.Path, part: str, *, num_keep: int, saved: int | None = None) -> list[int]:
-    """Delete this part from the steps before the `num_keep` newest complete ones, with leftovers of this part's
-    failed saves.
+    """Delete the steps before the `num_keep` newest complete ones, and leftovers of this part's failed saves.
 
     Only complete steps count (`_complete_steps`): a step whose sibling parts are still being written (an
     asynchronous save slower than a checkpoint interval), failed (a full disk) or were killed is kept, with every
     step after the oldest of the `num_keep`, so that the newest complete checkpoint is never among those removed.
     Counting steps alone, one part's writer removed its part of the last complete step while a sibling was still
-    writing the next one: a kill then left no step that held every part. A step directory is removed once no part
-    is left in it. Called after a save succeeded (no save of this part is running then). `saved`: the step just
-    saved; steps after it are another timeline's (a run resumed from an older checkpoint) and are left alone.
-    Returns those later steps.
+    writing the next one: a kill then left no step that held every part. The steps before those are removed whole,
+    their other parts too: the writer whose save completed a step is the one that can tell (a run that stops leaves
+    no older part behind). A sibling's temporary directory is left alone (its own next save removes it). Called
+    after a save succeeded (no save of this part is running then). `saved`: the step just saved; steps after it are
+    another timeline's (a run resumed from an older checkpoint) and are left alone. Returns those later steps.
     """
     steps = list_steps(root)
     later = [s for s in steps if saved is not None and s > saved]
@@ -339,9 +339,11 @@ def prune(root: pathlib.Path, part: str, *, num_keep: int, saved: int | None = N
         for leftover in path.glob(f"{TMP_PREFIX}{part}-*"):  # no save of this part is running now
             shutil.rmtree(leftover, ignore_errors=True)
         if oldest_kept is not None and step < oldest_kept:
-            shutil.rmtree(path / part, ignore_errors=True)
+            with contextlib.suppress(OSError):  # removed meanwhile by a sibling's prune
+                for name in finished_parts(path):
+                    shutil.rmtree(path / name, ignore_errors=True)
         with contextlib.suppress(OSError):
-            path.rmdir()  # fails while other parts remain: their nodes prune them
+            path.rmdir()  # fails while a sibling's leftover or a later timeline's part remains
     return later
 
 
