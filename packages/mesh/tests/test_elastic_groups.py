@@ -11,8 +11,9 @@ from openprime.mesh.client import View
 
 
 @pytest.mark.parametrize("error", [RuntimeError("DistNetworkError: failed to connect to 127.0.0.1:9"),
-                                   ConnectionRefusedError(111, "Connection refused"), PeerFailure(1, "no answer")],
-                         ids=["store unreachable", "socket refused", "peer failure"])
+                                   ConnectionRefusedError(111, "Connection refused"), PeerFailure(1, "no answer"),
+                                   OSError()],
+                         ids=["store unreachable", "socket refused", "peer failure", "no message"])
 def test_a_group_that_cannot_be_built_fails_the_try_not_the_node(error):
     """The tcp and zmq transports reach the rendezvous store (in the coordinator) in their constructor; a store that
     is down, the coordinator having restarted after it sent the view, raised torch's DistNetworkError (a

@@ -11,7 +11,7 @@ import pathlib
 import numpy as np
 import torch
 
-from openprime.core.membership import Membership, Round
+from openprime.core.membership import Round, StaticMembership
 from openprime.core.testing import local_group
 from openprime.diloco import DiLoCo
 from openprime.train.checkpointing import InnerOptimizerState, node_state, restore_node
@@ -27,21 +27,11 @@ CFG = recipe_config(str(ROOT / "recipes" / "debug.py"),
 H = CFG.diloco.num_inner_steps
 
 
-class SkipsTheFirstOuterStep(Membership):
-    def __init__(self, transport) -> None:
-        self.transport = transport
+class SkipsTheFirstOuterStep(StaticMembership):
+    """Every try of outer step 0 failed: the coordinator's view says skip."""
 
     def begin(self, step, attempt, *, state_hash, hash_step) -> Round:
         return Round(transport=self.transport, step=step, attempt=attempt, skip=step == 0)
-
-    def commit(self, step, attempt, ok) -> bool:
-        return ok
-
-    def abandon(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def _node():

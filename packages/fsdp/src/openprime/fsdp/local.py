@@ -53,6 +53,11 @@ def local_sum(values: list[float], mesh: DeviceMesh | None) -> list[float]:
     return t.tolist()
 
 
+def local_any(flag: bool, mesh: DeviceMesh | None) -> bool:
+    """Whether `flag` holds on any of the node's local ranks (each passes its own; every rank gets the same answer)."""
+    return local_sum([float(flag)], mesh)[0] > 0
+
+
 def local_all_reduce_mean(value: float, mesh: DeviceMesh | None) -> float:
     """The mean of a number over the node's local ranks (e.g. the loss of each rank's micro-batches)."""
     size = mesh.size() if mesh is not None else 1

@@ -173,7 +173,8 @@ class ElasticDeviceMesh(Membership):
             # coordinator that holds it restarted after sending the view. The try fails; the node lives (it died
             # here before 2026-12-07 with the tcp and zmq transports, which reach the store in their constructor).
             log.warning("could not build the group of epoch %d: %s", view.epoch, e)
-            reason = e.reason if isinstance(e, PeerFailure) else f"{type(e).__name__}: {str(e).splitlines()[0]}"
+            first_line = str(e).partition("\n")[0]  # torch's store errors run over many lines
+            reason = e.reason if isinstance(e, PeerFailure) else f"{type(e).__name__}: {first_line}"
             self._transport = _BrokenTransport(rank, len(view.members), f"group not built: {reason}")
         self._epoch = view.epoch
 

@@ -34,7 +34,7 @@ from openprime.fsdp import (
     gradient_sync,
     init_local_mesh,
     local_all_reduce_mean,
-    local_sum,
+    local_any,
     materialize,
     parallelize,
 )
@@ -129,7 +129,7 @@ def catch_up(cfg: RunConfig, coordinator: str, diloco: DiLoCo, mesh: ElasticDevi
             # The transfer broke (its donor died, or a link to one local rank): finish it at the next outer step.
             # The local ranks decide together: the mesh lists the node as new while any of them lacks the state
             # (each then takes it again), and ranks that left this loop apart would meet in other collectives.
-            while local_sum([float(not diloco.has_state)], local_mesh)[0] > 0:
+            while local_any(not diloco.has_state, local_mesh):
                 say(f"[{mesh.node_id}] the state transfer did not complete; continuing it at the next outer step")
                 results.append(diloco.sync(contribute=False))
             if diloco.behind:  # non-blocking: got the state after the others moved on; join the next outer step
@@ -219,7 +219,7 @@ class Node:
         # outer-step numbers, in the same run directory. This machine's records know better: such a node waits
         # for the run's state as a newcomer, and is refused if no node holds it (the ranks agree on what they read).
         self.run_on_disk = (resume is None and not self.joining
-                            and local_sum([float(holds_outer_steps(run_dir))], self.local_mesh)[0] > 0)
+                            and local_any(holds_outer_steps(run_dir), self.local_mesh))
         if self.run_on_disk:
             self.joining = True
             self.say(f"[node {node}] the coordinator at {coordinator} knows no run under way (it restarted?), but "
