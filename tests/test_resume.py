@@ -8,6 +8,7 @@ with exactly the baseline's global-state hashes after every outer step and exact
 import contextlib
 import os
 import pathlib
+import shlex
 import shutil
 import signal
 import subprocess
@@ -17,7 +18,7 @@ import time
 import pytest
 import torch
 
-from openprime.ckpt.store import verify_step
+from openprime.ckpt.store import part_info, verify_step
 from openprime.train.checkpointing import load_model_weights, newest_saved
 from openprime.train.launcher import LEAVE_S
 from openprime.train.metrics import read_records, summarize
@@ -36,6 +37,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 RUN = ("--set", "train.num_steps=60", "--set", "diloco.num_inner_steps=10", "--set", "checkpoint.interval_steps=10",
        "--set", "train.seq_len=32")
 SHORT = ("--nodes", "2", *RUN)
+RECIPE = ROOT / "recipes" / "debug.py"
+
+
+def _continue_with(run_dir: pathlib.Path, *sets: str) -> str:
+    """The command the launcher says continues the short run: the recipe with the `--set`s of its launch."""
+    return f"continue with `openprime run {shlex.join([str(RECIPE), *RUN, *sets])} --nodes 2 --run-dir {run_dir}"
 
 
 def _openprime(*args: str, expect: int = 0) -> subprocess.CompletedProcess:
@@ -62,7 +69,7 @@ def stopped(tmp_path_factory) -> pathlib.Path:
     run_dir = tmp_path_factory.mktemp("stopped") / "run"
     proc = _run(run_dir, "--set", "train.stop_after_outer_steps=3")
     assert "stopping after outer step 3" in proc.stdout
-    assert f"continue with `openprime run RECIPE --nodes 2 --run-dir {run_dir} --resume latest`" in proc.stdout
+    assert f"{_continue_with(run_dir, '--set', 'train.stop_after_outer_steps=3')} --resume latest`" in proc.stdout
     return run_dir
 
 
@@ -77,6 +84,15 @@ def _losses(run_dir: pathlib.Path) -> dict[int, list[float]]:
 
 def _copy(run_dir: pathlib.Path, tmp_path: pathlib.Path) -> pathlib.Path:
     return pathlib.Path(shutil.copytree(run_dir, tmp_path / "run"))
+
+
+def test_each_part_records_the_global_state_hash_the_replicas_agreed_on(stopped):
+    """What a resume checks to refuse a step that mixes two saves of it (openprime.ckpt.store._check_one_save)."""
+    agreed = {r["step"]: r["state_hash"] for r in read_records(stopped) if r["kind"] == "outer"}
+    for step in (20, 30):
+        for part in ("slot-0", "slot-1"):
+            fingerprint = part_info(stopped / "checkpoints" / f"step-{step:08d}" / part)["fingerprint"]
+            assert (fingerprint.group, fingerprint.digest) == ("rank-0", agreed[step]), (step, part)
 
 
 @pytest.mark.slow
@@ -165,7 +181,7 @@ def test_ctrl_c_stops_the_nodes_and_says_how_to_continue(baseline, tmp_path):
     # The nodes got the SIGINT too: they leave when the launcher says so (they died at once before 2026-12-06,
     # their checkpoint writes under way lost: "checkpoints: none ... finished saving").
     assert out.count("removed: left (deathrattle)") == 2, out[-3000:]
-    assert f"continue with `openprime run RECIPE --nodes 2 --run-dir {run_dir} --resume latest`" in out
+    assert f"{_continue_with(run_dir)} --resume latest`" in out
     assert "Traceback" not in out, out[-3000:]
     _run(run_dir, "--resume", "latest")
     final = max(summarize(baseline).distinct_hashes)
@@ -182,7 +198,7 @@ def test_ctrl_c_of_a_run_piped_to_tee_says_how_to_continue_on_stderr(tmp_path):
     returncode, err = _signalled_after_the_first_checkpoint(run_dir, signal.SIGINT, group=True, stdout_gone=True)
     assert returncode == 130, err[-3000:]
     assert err.count("removed: left (deathrattle)") == 2, err[-3000:]
-    assert f"continue with `openprime run RECIPE --nodes 2 --run-dir {run_dir} --resume latest`" in err, err[-3000:]
+    assert f"{_continue_with(run_dir)} --resume latest`" in err, err[-3000:]
     assert "Traceback" not in err and "failed" not in err, err[-3000:]
     root = run_dir / "checkpoints"
     assert newest_saved(root, num_nodes=2) is not None, sorted(p.name for p in root.rglob("*"))
@@ -201,7 +217,7 @@ def test_sigterm_or_sighup_stops_the_nodes_as_ctrl_c_does(tmp_path, signum, grou
     assert returncode == 128 + signum, out[-3000:]
     assert f"openprime: got {signum.name}; stopping the nodes (they leave gracefully)" in out
     assert out.count("removed: left (deathrattle)") == 2, out[-3000:]
-    assert f"continue with `openprime run RECIPE --nodes 2 --run-dir {run_dir} --resume latest`" in out
+    assert f"{_continue_with(run_dir)} --resume latest`" in out
     assert "Traceback" not in out, out[-3000:]
     pids = node_pids(read_records(run_dir))
     assert len(pids) == 2 and all(process_ended(pid) for pid in pids), pids
@@ -321,7 +337,7 @@ def test_ctrl_c_waits_for_the_checkpoint_writes_under_way(tmp_path):
     assert returncode == 130, out[-3000:]
     assert "openprime: waiting for node(s) [0, 1] to finish writing their checkpoint" in out, out[-3000:]
     assert out.count("removed: left (deathrattle)") == 2, out[-3000:]
-    assert f"(newest: step 10); continue with `openprime run RECIPE --nodes 2 --run-dir {run_dir}" in out, out[-3000:]
+    assert f"(newest: step 10); {_continue_with(run_dir)}" in out, out[-3000:]
     assert sorted(verify_step(run_dir / "checkpoints", 10).parts) == ["slot-0", "slot-1"]
 
 

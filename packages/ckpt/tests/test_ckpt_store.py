@@ -14,6 +14,7 @@ from openprime.ckpt import (
     CheckpointMismatch,
     CheckpointNotFound,
     CorruptCheckpoint,
+    Fingerprint,
     check_compatible,
     latest,
     list_steps,
@@ -125,6 +126,38 @@ def test_a_step_missing_a_part_is_incomplete(tmp_path) -> None:
     assert (found.step, found.parts) == (20, ("slot-0", "slot-1"))
     with pytest.raises(CorruptCheckpoint, match="part slot-1 of .* is missing"):
         resolve(step_dir(tmp_path, 40))
+
+
+def test_a_step_whose_parts_hold_two_saves_of_it_is_refused_and_the_previous_one_used(tmp_path) -> None:
+    """A run resumed from step 20 of a run that saved 20, 40 and 60 saves step 40 again, part by part: killed after
+    slot-0's save, step 40 held slot-0 of the new timeline beside slot-1 of the old. Every part verified, and the
+    resumed replicas differed (ReplicaDivergence at their first outer step, at every resume). Each part now records
+    the global-state hash of its save; parts of one group that disagree make the step unusable."""
+    two = ["slot-0", "slot-1"]
+
+    def save(step: int, part: str, digest: str, group: str = "rank-0") -> None:
+        write_part(tmp_path, step, part, make_state(step), parts=two,
+                   fingerprint=Fingerprint(group=group, digest=digest))
+
+    for part in two:
+        save(20, part, "a20")
+        save(40, part, "a40")
+    save(40, "slot-0", "b40")  # the resumed run's save of step 40, cut short before slot-1's
+    with pytest.raises(CorruptCheckpoint, match="parts slot-0 and slot-1 hold different global states .hashes b40 "
+                                                "and a40.: the step mixes two saves of it"):
+        resolve(step_dir(tmp_path, 40))
+    assert latest(tmp_path).step == 20
+    assert latest(tmp_path, enough=lambda parts, named: None).step == 20  # a machine's own parts too
+    save(40, "slot-1", "b40")  # the save finished
+    assert latest(tmp_path).step == 40
+    # Groups are compared within themselves (the local ranks' shards differ), and a part saved without a
+    # fingerprint (before 2026-12-07) is not compared.
+    write_part(tmp_path, 60, "slot-0", make_state(60), parts=two)
+    save(60, "slot-1", "c60")
+    assert latest(tmp_path).step == 60
+    save(80, "slot-0", "r0", group="rank-0")
+    save(80, "slot-1", "r1", group="rank-1")
+    assert latest(tmp_path).step == 80
 
 
 def test_a_failed_write_leaves_no_step_that_looks_newest(tmp_path, monkeypatch) -> None:

@@ -421,3 +421,21 @@ def test_a_secret_file_that_cannot_be_read_or_is_short_is_one_message_naming_its
     short.write_text("0123456789\n")
     err = _fails(capsys, tmp_path, DEBUG, "--transport", "tcp", "--set", f"{key}={short}")
     assert f"{key}: the secret in {short} is 10 bytes; use at least 16" in err, err
+
+
+def test_the_command_that_continues_a_run_repeats_the_flags_that_shaped_its_config(tmp_path):
+    """The launcher's "continue with" line repeats the recipe, the site file, the transport and every `--set` as
+    they were typed (quoted for a shell): without them a resume trained on under the recipe's own settings (the
+    transport, the compression, the data) or was refused for another model."""
+    import shlex
+
+    from openprime.train.cli import _parser, recipe_args
+
+    site = tmp_path / "my site.toml"
+    args = _parser().parse_args(["run", "recipes/debug.py", "--nodes", "2", "--network", str(site), "--transport",
+                                 "tcp", "--set", "diloco.compression=int8", "--run-dir", "r", "--set",
+                                 "data.name=two words"])
+    line = recipe_args(args)
+    assert shlex.split(line) == ["recipes/debug.py", "--network", str(site), "--transport", "tcp", "--set",
+                                 "diloco.compression=int8", "--set", "data.name=two words"]
+    assert recipe_args(_parser().parse_args(["run", "recipes/debug.py"])) == "recipes/debug.py"

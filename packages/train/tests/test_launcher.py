@@ -13,9 +13,9 @@ import time
 
 import torch
 
-from openprime.ckpt import write_part
+from openprime.ckpt import Checkpoint, write_part
 from openprime.train.entry import FORK_SERVER_PRELOAD
-from openprime.train.launcher import Launcher, _print_checkpoints, ended_how, tell
+from openprime.train.launcher import Launcher, _print_checkpoints, data_slots, ended_how, tell
 from openprime.train.processes import NodeProcess, dump_stacks, install_stack_dump, is_stopped, output_to
 from openprime.train.recipe import recipe_config
 from openprime.train.testing import process_ended
@@ -201,7 +201,7 @@ class _FakeNodeProcess:
 
 def test_nodes_on_one_machine_compute_on_gpus_of_their_own(tmp_path, monkeypatch):
     # Before, every node of `openprime run --nodes N` on a machine of several GPUs computed on GPU 0 (local rank r
-    # on GPU r), and the other GPUs idled. The last argument of node_main is the node's first GPU.
+    # on GPU r), and the other GPUs idled. The ninth argument of node_main is the node's first GPU.
     import openprime.train.launcher as launcher_module
     from openprime.train.hardware import device_blocks, least_used_block
 
@@ -218,12 +218,12 @@ def test_nodes_on_one_machine_compute_on_gpus_of_their_own(tmp_path, monkeypatch
         for _ in range(3):
             launcher.start_node()
         # Node 0 on GPUs 0-1, node 1 on GPUs 2-3, node 2 shares node 0's (4 GPUs hold 2 nodes of 2 ranks).
-        assert [(args[1], args[6], args[-1]) for args in _FakeNodeProcess.started] == [
+        assert [(args[1], args[6], args[8]) for args in _FakeNodeProcess.started] == [
             (0, 0, 0), (0, 1, 0), (1, 0, 2), (1, 1, 2), (2, 0, 0), (2, 1, 0)]
         launcher.procs[1].alive = False  # node 1 died: its replacement takes its GPUs
         _FakeNodeProcess.started = []
         launcher.start_node()
-        assert [(args[1], args[-1]) for args in _FakeNodeProcess.started] == [(3, 2), (3, 2)]
+        assert [(args[1], args[8]) for args in _FakeNodeProcess.started] == [(3, 2), (3, 2)]
     finally:
         launcher.procs.clear()
         launcher.local_procs.clear()
@@ -346,3 +346,17 @@ def test_the_launchers_lines_go_to_stderr_when_it_started_without_stdout(monkeyp
     monkeypatch.setattr(sys, "stdout", None)  # `openprime run ... >&-`: print() would drop them unsaid
     tell("continue with this")
     assert err.getvalue() == "continue with this\n"
+
+
+def test_the_nodes_a_launch_adds_to_a_resumed_checkpoint_ask_for_slots_no_saved_node_holds(tmp_path):
+    """`--nodes 3 --resume latest` of a checkpoint of slots 0 and 2: the third node asked for any slot and could take
+    slot 0 before the node resuming it joined (which then read slot 0's data again from the start, its own left
+    unread). It asks for slot 1, the first that no saved node holds."""
+    saved = Checkpoint(step=20, path=tmp_path, parts=("slot-0", "slot-2"))
+    assert data_slots(saved, num_nodes=3, max_nodes=4) == [0, 2, 1]
+    assert data_slots(saved, num_nodes=4, max_nodes=4) == [0, 2, 1, 3]
+    assert data_slots(saved, num_nodes=5, max_nodes=4) == [0, 2, 1, 3, -1]  # the coordinator refuses a fifth
+    assert data_slots(saved, num_nodes=1, max_nodes=4) == [0]  # a machine resuming its own node of a shared disk
+    sharded = Checkpoint(step=20, path=tmp_path, parts=("slot-1-rank-0", "slot-1-rank-1"))
+    assert data_slots(sharded, num_nodes=2, max_nodes=8) == [1, 0]
+    assert data_slots(None, num_nodes=2, max_nodes=8) == [-1, -1]

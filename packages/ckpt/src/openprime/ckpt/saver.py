@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from openprime.ckpt.config import SaveMode
 from openprime.ckpt.state import snapshot
-from openprime.ckpt.store import dcp_cause, prune, write_part
+from openprime.ckpt.store import Fingerprint, dcp_cause, prune, write_part
 
 log = logging.getLogger("openprime.ckpt")
 
@@ -54,20 +54,23 @@ class Checkpointer:
     def num_failed(self) -> int:
         return sum(1 for r in self.results if r.path is None)
 
-    def save(self, step: int, state: Mapping[str, Any], *, parts: Sequence[str]) -> float:
+    def save(self, step: int, state: Mapping[str, Any], *, parts: Sequence[str],
+             fingerprint: Fingerprint | None = None) -> float:
         """Checkpoint `state` as step `step`; returns the seconds training was blocked.
 
         `parts` names every part this step needs (the nodes of the outer step), so that a resume can tell
-        a complete step from one that some node did not finish.
+        a complete step from one that some node did not finish; `fingerprint`, what this part shares with them
+        (store.Fingerprint), so that it can tell a step that mixes two saves of it.
         """
         start = time.monotonic()
         self.wait()
         host = self._host = snapshot(state, reuse=self._host)  # the previous snapshot is on disk: reuse its memory
         blocking_s = time.monotonic() - start
         if self.mode is SaveMode.SYNC:
-            self._write(step, host, tuple(parts), start, blocking_s)
+            self._write(step, host, tuple(parts), fingerprint, start, blocking_s)
             return time.monotonic() - start
-        self._thread = threading.Thread(target=self._write, args=(step, host, tuple(parts), start, blocking_s),
+        self._thread = threading.Thread(target=self._write,
+                                        args=(step, host, tuple(parts), fingerprint, start, blocking_s),
                                         name=f"ckpt-{self.part}-{step}", daemon=True)
         self._thread.start()
         return blocking_s
@@ -82,10 +85,10 @@ class Checkpointer:
     def close(self) -> None:
         self.wait()
 
-    def _write(self, step: int, host: Mapping[str, Any], parts: tuple[str, ...], start: float,
-               blocking_s: float) -> None:
+    def _write(self, step: int, host: Mapping[str, Any], parts: tuple[str, ...], fingerprint: Fingerprint | None,
+               start: float, blocking_s: float) -> None:
         try:
-            path = write_part(self.root, step, self.part, host, parts=parts)
+            path = write_part(self.root, step, self.part, host, parts=parts, fingerprint=fingerprint)
         except (Exception, CheckpointException) as e:  # the run must go on; the previous checkpoint is untouched
             cause = dcp_cause(e)
             self.results.append(SaveResult(step=step, path=None, blocking_s=blocking_s,

@@ -71,6 +71,15 @@ class CheckpointMismatch(ConfigError):
     """A checkpoint of a different model (or state layout) than the one loading it."""
 
 
+@attrs.frozen(kw_only=True)
+class Fingerprint:
+    """What a part shares with its step's other parts: the parts of one group hold the same state when saved
+    together (every node's global weights after an outer step), so they record the same digest."""
+
+    group: str  # the parts that hold the same state (e.g. one local rank's shard on every node)
+    digest: str  # a hash of that state (DiLoCo's global-state hash, which the replicas agreed on)
+
+
 @attrs.frozen
 class Checkpoint:
     """One complete step of a checkpoint root."""
@@ -109,8 +118,9 @@ def _quiet_dcp() -> Iterator[None]:
 
 
 def write_part(root: pathlib.Path, step: int, part: str, state: Mapping[str, Any], *,
-               parts: Sequence[str]) -> pathlib.Path:
+               parts: Sequence[str], fingerprint: Fingerprint | None = None) -> pathlib.Path:
     """Write one part of step `step` atomically; `parts` names every part the step needs. Returns its path.
+    `fingerprint`: what the part shares with its siblings, checked when the step is used (verify_step).
 
     On any error (a full disk, a killed process) the temporary directory is removed when possible and
     nothing under the final name changes; the error propagates to the caller. A step directory left empty by
@@ -127,6 +137,8 @@ def write_part(root: pathlib.Path, step: int, part: str, state: Mapping[str, Any
         with _quiet_dcp():
             dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True, thread_count=1), no_dist=True)
         meta = {"step": step, "part": part, "parts": list(parts), "state": skeleton}
+        if fingerprint is not None:
+            meta["fingerprint"] = attrs.asdict(fingerprint)
         with open(tmp / STATE_FILE, "w") as f:
             json.dump(meta, f)
             f.flush()
@@ -214,10 +226,30 @@ def dcp_cause(e: BaseException) -> str:
 
 
 def part_info(path: pathlib.Path) -> dict[str, Any]:
-    """The step, part name and sibling parts recorded in a part's state.json, and its state's skeleton (the plain
-    values as saved, each tensor a {"__tensor__": path} reference): what can be checked without reading tensors."""
+    """The step, part name and sibling parts recorded in a part's state.json, its fingerprint (None: saved without
+    one) and its state's skeleton (the plain values as saved, each tensor a {"__tensor__": path} reference): what
+    can be checked without reading tensors."""
     meta = json.loads((path / STATE_FILE).read_text())
-    return {"step": meta["step"], "part": meta["part"], "parts": tuple(meta["parts"]), "state": meta["state"]}
+    fingerprint = Fingerprint(**meta["fingerprint"]) if "fingerprint" in meta else None
+    return {"step": meta["step"], "part": meta["part"], "parts": tuple(meta["parts"]), "fingerprint": fingerprint,
+            "state": meta["state"]}
+
+
+def _check_one_save(path: pathlib.Path, parts: Sequence[str]) -> None:
+    """CorruptCheckpoint if two of these parts of one group hold different states (their fingerprints differ): the
+    step mixes two saves of it. A run resumed from an older step saves the later steps again, part by part, over
+    its earlier timeline's; one of those saves cut short (a kill, a full disk) leaves a step whose every part
+    verifies, that resumed into replicas that differ (ReplicaDivergence at the first outer step, each time)."""
+    seen: dict[str, tuple[str, str]] = {}
+    for part in parts:
+        fingerprint = part_info(path / part)["fingerprint"]
+        if fingerprint is None:
+            continue
+        first = seen.setdefault(fingerprint.group, (part, fingerprint.digest))
+        if first[1] != fingerprint.digest:
+            raise CorruptCheckpoint(path, f"parts {first[0]} and {part} hold different global states (hashes "
+                                          f"{first[1][:16]} and {fingerprint.digest[:16]}): the step mixes two "
+                                          f"saves of it (a save after a resume from an older step did not finish)")
 
 
 PartsCheck = Callable[[tuple[str, ...], tuple[str, ...]], str | None]
@@ -254,6 +286,7 @@ def verify_step(root: pathlib.Path, step: int, *, checksums: bool = True,
         why = enough(tuple(good), tuple(sorted(named)))
         if why is not None:
             raise IncompleteCheckpoint(path, why + "".join(f"; {p}" for p in problems))
+        _check_one_save(path, good)
         return Checkpoint(step=step, path=path, parts=tuple(good), verified=checksums)
     verify_manifest(path / present[0], checksums=checksums)
     parts = part_info(path / present[0])["parts"]
@@ -264,6 +297,7 @@ def verify_step(root: pathlib.Path, step: int, *, checksums: bool = True,
     for part in parts:
         if part != present[0]:
             verify_manifest(path / part, checksums=checksums)
+    _check_one_save(path, parts)
     return Checkpoint(step=step, path=path, parts=tuple(parts), verified=checksums)
 
 

@@ -115,6 +115,12 @@ class DiLoCo:
         """False for a joiner until it received the global state from a donor."""
         return self._last_hash is not None
 
+    @property
+    def state_hash(self) -> str | None:
+        """The hash of the global state (this process's shard of it) after the last outer step, which every member
+        compared and agreed on; None for a joiner without the state."""
+        return self._last_hash
+
     def state_dict(self) -> dict[str, torch.Tensor | int]:
         """The global weights, outer momentum and step counters: what a checkpoint keeps of the outer loop.
 

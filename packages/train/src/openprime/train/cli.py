@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import logging
 import pathlib
+import shlex
 import signal
 import socket
 import sys
@@ -374,7 +375,20 @@ def _start(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path, over
     except OSError as e:
         return _unwritable(run_dir, e)
     return launch(cfg, num_nodes=args.nodes, run_dir=run_dir, coordinator=args.join, resume=resume,
-                  first_node=first_node)
+                  first_node=first_node, recipe_args=recipe_args(args))
+
+
+def recipe_args(args: argparse.Namespace) -> str:
+    """The recipe and the flags that shaped its config, as typed: the command that continues a run repeats them
+    (without its `--set`s a resume trained on under the recipe's own settings, or was refused for another model)."""
+    words = [str(args.recipe)]
+    if args.network:
+        words += ["--network", str(args.network)]
+    if args.transport:
+        words += ["--transport", args.transport]
+    for override in args.overrides:
+        words += ["--set", override]
+    return shlex.join(words)
 
 
 def _nothing_to_train(resume: Checkpoint, num_steps: int, run_dir: pathlib.Path) -> int:

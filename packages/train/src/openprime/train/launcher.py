@@ -31,7 +31,13 @@ from openprime.core.config import to_dict
 from openprime.core.distributed import host_store
 from openprime.core.transport import Rendezvous
 from openprime.mesh import Coordinator
-from openprime.train.checkpointing import checkpoint_root, newest_saved, num_nodes_saved, parts_by_node
+from openprime.train.checkpointing import (
+    checkpoint_root,
+    newest_saved,
+    num_nodes_saved,
+    parts_by_node,
+    slot_of_part,
+)
 from openprime.train.config import RunConfig
 from openprime.train.data import prepare_data
 from openprime.train.hardware import detect_device_type, device_blocks, least_used_block
@@ -102,6 +108,20 @@ def write_run_files(run_dir: pathlib.Path, cfg: RunConfig, *, recipe: pathlib.Pa
 LEAVE_S = 10.0
 
 
+def data_slots(resume: Checkpoint | None, *, num_nodes: int, max_nodes: int) -> list[int]:
+    """The data slot each node of a launch asks the coordinator for, in start order (-1: any). The nodes that
+    resume a checkpoint ask for their saved slots (the node itself reads it from its part); the others, for slots
+    that no node of the checkpoint saved: asking for any, one could take a resumed node's slot before that node
+    joined, and read that slot's data again from the start."""
+    if resume is None:
+        return [-1] * num_nodes
+    nodes = parts_by_node(resume)
+    saved = [slot_of_part(names[0]) for names in nodes]
+    free = [slot for slot in range(max_nodes) if slot not in saved]
+    extra = num_nodes - min(num_nodes, len(nodes))
+    return saved[:num_nodes] + [free[i] if i < len(free) else -1 for i in range(extra)]
+
+
 class Launcher:
     """A coordinator plus node processes on this machine: `fsdp.num_local_ranks` processes per node."""
 
@@ -116,6 +136,7 @@ class Launcher:
         self.resume = resume  # the nodes started first continue from it; later ones join and get the state
         # The first nodes resume the checkpoint's nodes, as many as it holds (it may hold more: a shared disk).
         self._num_resumed = min(num_nodes, len(parts_by_node(resume))) if resume is not None else 0
+        self._slots = data_slots(resume, num_nodes=num_nodes, max_nodes=cfg.mesh.max_nodes)
         self.num_threads = cfg.train.num_threads or max(1, usable_cores() // (num_nodes * cfg.fsdp.num_local_ranks))
         self.coordinator_server: Coordinator | None = None  # the coordinator, when it runs in this process
         if coordinator is None:
@@ -137,6 +158,7 @@ class Launcher:
         index = len(self.procs)
         node = self.first_node + index
         resume = self.resume if index < self._num_resumed else None
+        slot = self._slots[index] if index < len(self._slots) else -1
         rendezvous = None
         if self._local_store is not None:
             rendezvous = Rendezvous(host="127.0.0.1", port=self._local_store.port,
@@ -149,7 +171,7 @@ class Launcher:
             name = f"node-{node}" + (f"-rank-{local_rank}" if rendezvous else "")
             proc = NodeProcess(target=node_main, name=name,
                                args=(self.cfg, node, self.coordinator, self.run_dir, self.num_threads, resume,
-                                     local_rank, rendezvous, block * ranks))
+                                     local_rank, rendezvous, block * ranks, slot))
             proc.start()
             procs.append(proc)
         self.procs[node], self.local_procs[node] = procs[0], procs
@@ -240,9 +262,11 @@ class Launcher:
 
 
 def launch(cfg: RunConfig, *, num_nodes: int, run_dir: pathlib.Path, coordinator: str | None = None,
-           resume: Checkpoint | None = None, first_node: int = 0) -> int:
+           resume: Checkpoint | None = None, first_node: int = 0, recipe_args: str = "RECIPE") -> int:
     """Run `num_nodes` nodes to the end of the run; returns the exit code for the command. `first_node`: the first
-    node's number in the run directory's records (after those of another launch that shares the directory)."""
+    node's number in the run directory's records (after those of another launch that shares the directory);
+    `recipe_args`: the recipe and the flags that changed its config (`--network`, `--transport`, `--set`), as the
+    command that continues the run repeats them."""
     prepare_data(cfg.data)
     launcher = Launcher(cfg, run_dir, num_nodes=num_nodes, coordinator=coordinator, resume=resume,
                         first_node=first_node)
@@ -269,7 +293,7 @@ def launch(cfg: RunConfig, *, num_nodes: int, run_dir: pathlib.Path, coordinator
             ignore_signals()  # a second signal must not cut the stop short
             launcher.stop()
     if codes is None:
-        _print_checkpoints(cfg, run_dir, num_nodes=num_nodes, joined=coordinator)
+        _print_checkpoints(cfg, run_dir, num_nodes=num_nodes, joined=coordinator, recipe_args=recipe_args)
         return 128 + stopped_by
     failed = {n: c for n, c in codes.items() if c != 0}
     for node, code in failed.items():
@@ -280,9 +304,11 @@ def launch(cfg: RunConfig, *, num_nodes: int, run_dir: pathlib.Path, coordinator
         tell("openprime: run failed: " + ("its nodes were refused or misconfigured; the error above says what to "
                                           "change before starting them again" if refused else
                                           "no node finished. See the log above."), err=True)
-        _print_checkpoints(cfg, run_dir, num_nodes=num_nodes, joined=coordinator, how_to_continue=not refused)
+        _print_checkpoints(cfg, run_dir, num_nodes=num_nodes, joined=coordinator, recipe_args=recipe_args,
+                           how_to_continue=not refused)
         return REFUSED_EXIT if refused else 1
-    summary, saved = _print_summary(cfg, run_dir, time.monotonic() - start, num_nodes=num_nodes, joined=coordinator)
+    summary, saved = _print_summary(cfg, run_dir, time.monotonic() - start, num_nodes=num_nodes, joined=coordinator,
+                                    recipe_args=recipe_args)
     last = summary.last_checkpoint_step
     if last is not None and (saved is None or saved < last):  # trained, but what it trained is not on disk
         tell(f"openprime: error: the run's last checkpoint, of step {last}, did not finish saving (the errors above "
@@ -345,7 +371,7 @@ def _stopped_by_signals() -> Iterator[Callable[[], None]]:
 
 
 def _print_summary(cfg: RunConfig, run_dir: pathlib.Path, elapsed_s: float, *, num_nodes: int,
-                   joined: str | None) -> tuple[RunSummary, int | None]:
+                   joined: str | None, recipe_args: str) -> tuple[RunSummary, int | None]:
     """The end of a launch whose nodes finished: what they trained and where it is saved; returns the run's summary
     and its newest saved checkpoint's step."""
     s = summarize(run_dir)
@@ -357,11 +383,11 @@ def _print_summary(cfg: RunConfig, run_dir: pathlib.Path, elapsed_s: float, *, n
              f"sent {s.bytes_sent.get(node, 0):,} bytes"
              + (f", {skipped} step(s) skipped for a NaN/inf gradient" if skipped else ""))
     tell(f"  metrics: {run_dir / 'metrics.jsonl'}  config: {run_dir / 'config.json'}")
-    return s, _print_checkpoints(cfg, run_dir, num_nodes=num_nodes, joined=joined)
+    return s, _print_checkpoints(cfg, run_dir, num_nodes=num_nodes, joined=joined, recipe_args=recipe_args)
 
 
 def _print_checkpoints(cfg: RunConfig, run_dir: pathlib.Path, *, num_nodes: int, joined: str | None,
-                       how_to_continue: bool = True) -> int | None:
+                       recipe_args: str = "RECIPE", how_to_continue: bool = True) -> int | None:
     """Where the run's checkpoints are and the command that continues it (after an end, a failure or Ctrl-C);
     returns the newest saved step (None: none)."""
     root = checkpoint_root(cfg.checkpoint, run_dir)
@@ -380,13 +406,13 @@ def _print_checkpoints(cfg: RunConfig, run_dir: pathlib.Path, *, num_nodes: int,
         # outer step that the others finished and saved left that step without its part.
         resumable = newest_saved(root, num_nodes=num_nodes) if num_nodes > 1 else saved
         if resumable is None:
-            more = (f"no checkpoint holds the parts of all {num_nodes} nodes: continue with `openprime run RECIPE "
-                    f"--nodes {num_nodes_saved(root, saved)}{join} --run-dir {run_dir} --resume latest` (step "
-                    f"{saved}; more nodes can join it with --join and take the state from a peer); ")
+            more = (f"no checkpoint holds the parts of all {num_nodes} nodes: continue with `openprime run "
+                    f"{recipe_args} --nodes {num_nodes_saved(root, saved)}{join} --run-dir {run_dir} --resume "
+                    f"latest` (step {saved}; more nodes can join it with --join and take the state from a peer); ")
         else:
             older = f" (from step {resumable}, the newest that holds every node's parts)" if resumable < saved else ""
-            more = (f"continue with `openprime run RECIPE --nodes {num_nodes}{join} --run-dir {run_dir} --resume "
-                    f"latest`{older}; ")
+            more = (f"continue with `openprime run {recipe_args} --nodes {num_nodes}{join} --run-dir {run_dir} "
+                    f"--resume latest`{older}; ")
     unfinished = [step for step in steps if step > saved]
     note = f"; the saves of step(s) {unfinished} did not finish" if unfinished else ""
     tell(f"  checkpoints: {root} (newest: step {saved}{note}); {more}export the model with "

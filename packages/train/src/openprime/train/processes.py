@@ -237,7 +237,7 @@ def usable_cores() -> int:
 
 def node_main(cfg: RunConfig, node: int, coordinator: str, run_dir: pathlib.Path, num_threads: int,
               resume: Checkpoint | None = None, local_rank: int = 0,
-              local_rendezvous: Rendezvous | None = None, first_device: int = 0) -> None:
+              local_rendezvous: Rendezvous | None = None, first_device: int = 0, slot: int = -1) -> None:
     """The body of one node process (one local rank): SIGTERM leaves gracefully (the deathrattle), errors exit 1."""
     for stop in stop_signals_handled():  # a SIGHUP ignored by the launcher (nohup) stays ignored
         signal.signal(stop, leave)
@@ -250,7 +250,7 @@ def node_main(cfg: RunConfig, node: int, coordinator: str, run_dir: pathlib.Path
         show_info_logs(node)
     try:
         run_node(cfg, node=node, coordinator=coordinator, run_dir=run_dir, num_threads=num_threads, resume=resume,
-                 local_rank=local_rank, local_rendezvous=local_rendezvous, first_device=first_device)
+                 local_rank=local_rank, local_rendezvous=local_rendezvous, first_device=first_device, slot=slot)
     except BaseException as e:
         where = f"node {node}" + (f" local rank {local_rank}" if cfg.fsdp.sharded else "")
         if isinstance(e, ConfigError | JoinRefused):  # the user's to fix, and the message says how: no traceback

@@ -25,7 +25,7 @@ import attrs
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from openprime.ckpt import Checkpoint, Checkpointer, SaveMode
+from openprime.ckpt import Checkpoint, Checkpointer, Fingerprint, SaveMode
 from openprime.core.errors import ConfigError, OpenPrimeError
 from openprime.core.transport import Rendezvous
 from openprime.diloco import DiLoCo, OuterStepResult
@@ -184,7 +184,7 @@ class Node:
 
     def __init__(self, cfg: RunConfig, *, node: int, coordinator: str, run_dir: pathlib.Path,
                  resume: Checkpoint | None, local_rank: int = 0, local_rendezvous: Rendezvous | None = None,
-                 first_device: int = 0) -> None:
+                 first_device: int = 0, slot: int = -1) -> None:
         self.cfg, self.node, self.coordinator, self.run_dir = cfg, node, coordinator, run_dir
         self.local_rank, self.local_mesh = local_rank, None
         device_type = detect_device_type()
@@ -204,7 +204,8 @@ class Node:
         self.sched = build_lr_scheduler(self.opt, num_warmup_steps=cfg.schedule.num_warmup_steps,
                                         num_decay_steps=cfg.schedule.num_decay_steps,
                                         num_steps=cfg.train.num_steps, shape=cfg.schedule.decay_shape)
-        self.saved_slot = slot_of_part(parts_by_node(resume)[node][0]) if resume else -1  # asked for; may be taken
+        # The data slot asked for (may be taken): a resumed node's saved one, else `slot` (-1: any).
+        self.saved_slot = slot_of_part(parts_by_node(resume)[node][0]) if resume else slot
         self.mesh = join_mesh(cfg, coordinator, slot=self.saved_slot, local_rank=local_rank,
                               local_mesh=self.local_mesh)
         # Local rank 0 speaks for the node: its records and progress lines. Every local rank also records the
@@ -366,7 +367,11 @@ class Node:
             slots.append(self.mesh.slot)
         parts = [part_name(slot, r, ranks) for slot in slots for r in range(ranks)]
         step = self.diloco.num_inner_steps_done
-        blocking_s = self.ckpt.save(step, state, parts=parts)
+        # The parts of one local rank hold the same shard of the global state on every node: a resume refuses a step
+        # whose parts disagree (one re-saved after a resume from an older step, cut short).
+        digest = self.diloco.state_hash
+        fingerprint = Fingerprint(group=f"rank-{self.local_rank}", digest=digest) if digest else None
+        blocking_s = self.ckpt.save(step, state, parts=parts, fingerprint=fingerprint)
         self.write("checkpoint", step=step, blocking_s=blocking_s, parts=parts,
                    previous_total_s=previous.total_s if previous else None,
                    previous_failed=bool(previous and previous.path is None))
@@ -390,12 +395,13 @@ class Node:
 
 def run_node(cfg: RunConfig, *, node: int, coordinator: str, run_dir: pathlib.Path, num_threads: int = 1,
              resume: Checkpoint | None = None, local_rank: int = 0,
-             local_rendezvous: Rendezvous | None = None, first_device: int = 0) -> NodeSummary:
+             local_rendezvous: Rendezvous | None = None, first_device: int = 0, slot: int = -1) -> NodeSummary:
     """Train one node (this process: one of its local ranks) to the end of the run or to
-    train.stop_after_outer_steps; `resume`: continue from that checkpoint's node number `node`."""
+    train.stop_after_outer_steps; `resume`: continue from that checkpoint's node number `node`; `slot`: the data
+    slot a node without a checkpoint asks for (-1: any)."""
     torch.set_num_threads(num_threads)
     n = Node(cfg, node=node, coordinator=coordinator, run_dir=run_dir, resume=resume, local_rank=local_rank,
-             local_rendezvous=local_rendezvous, first_device=first_device)
+             local_rendezvous=local_rendezvous, first_device=first_device, slot=slot)
     try:
         n.start(resume)
         counters, stop_at = n.counters, cfg.train.stop_after_outer_steps
