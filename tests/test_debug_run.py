@@ -25,7 +25,10 @@ def _run(run_dir: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
     return proc
 
 
-SHORT = ("--nodes", "2", "--set", "train.num_steps=60", "--set", "diloco.num_inner_steps=10")
+# Sequences of 32 tokens, not the recipe's 128: the loss still falls from 8.8 to about 6.2 in 60 steps, in 8 s of
+# training instead of 20 (measured 2026-12-07).
+SHORT = ("--nodes", "2", "--set", "train.num_steps=60", "--set", "diloco.num_inner_steps=10",
+         "--set", "train.seq_len=32")
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +60,7 @@ def test_two_node_debug_run(fp32_run):
     assert "REPLICAS DISAGREE" not in proc.stderr  # the coordinator compared them at every barrier
 
     resolved = json.loads((run_dir / "config.json").read_text())
-    assert resolved["overrides"] == ["train.num_steps=60", "diloco.num_inner_steps=10"]
+    assert resolved["overrides"] == ["train.num_steps=60", "diloco.num_inner_steps=10", "train.seq_len=32"]
     assert resolved["config"]["train"]["num_steps"] == 60
     assert resolved["config"]["diloco"]["outer_lr"] == 0.7
     assert sorted(p.name for p in (run_dir / "recipe").iterdir()) == ["debug.py", "intellect1_10b.py"]

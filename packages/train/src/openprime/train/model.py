@@ -162,8 +162,13 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float,
     """cos and sin of the RoPE angles (Su et al. 2021), each (max_seq_len, head_dim / 2), float32.
 
     Channel pair i of position p is rotated by angle p * theta^(-2i / head_dim): low pairs spin fast,
-    high pairs slowly, so that theta = 500000 reaches wavelengths beyond the 8192-token context.
+    high pairs slowly, so that theta = 500000 reaches wavelengths beyond the 8192-token context. On the meta
+    device, two empty tables: torch.arange there imports torch._dynamo (about 2 s of a node's start) to compute
+    nothing.
     """
+    if torch.empty(0, device=device).is_meta:
+        return (torch.empty(max_seq_len, head_dim // 2, device=device),
+                torch.empty(max_seq_len, head_dim // 2, device=device))
     freqs_E2 = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
     positions_L = torch.arange(max_seq_len, device=device, dtype=torch.float32)
     angles_LE2 = torch.outer(positions_L, freqs_E2)
@@ -291,13 +296,21 @@ def _fill_random(weight: torch.Tensor, fill: Callable[[torch.Tensor], object]) -
 # ---------------------------------------------------------------- the model
 
 
+def _embedding(num_embeddings: int, dim: int) -> nn.Embedding:
+    """nn.Embedding; on the meta device without its own initialisation, a normal_() that imports torch._dynamo
+    there (about 2 s of every node's start on this machine) to fill nothing: init_weights fills it once allocated."""
+    if torch.empty(0).is_meta:  # built under `with torch.device("meta")`
+        return nn.Embedding(num_embeddings, dim, _weight=torch.empty(num_embeddings, dim))
+    return nn.Embedding(num_embeddings, dim)
+
+
 class Llama(nn.Module):
     """Llama-3 decoder: `forward(tokens_BL) -> logits_BLV` (float32 logits)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.tok_embeddings = _embedding(cfg.vocab_size, cfg.dim)
         # A ModuleDict keyed by layer index (torchtitan) keeps parameter names stable when layers are
         # wrapped (FSDP, activation checkpointing) or removed (pipeline stages).
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, cfg) for i in range(cfg.num_layers)})
