@@ -53,9 +53,9 @@ def offer(origin: str, seed: int, **kw) -> StateOffer:
 class DiesAfter(ForwardingTransport):
     """A donor's transport that stops sending (a killed process) after `num_chunks` state chunks."""
 
-    def __init__(self, inner: Transport, num_chunks: int, corrupt: int | None = None) -> None:
+    def __init__(self, inner: Transport, num_chunks: int, corrupt: int | None = None, header: bool = False) -> None:
         super().__init__(inner)
-        self.left, self.corrupt, self.count = num_chunks, corrupt, 0
+        self.left, self.corrupt, self.count, self.header = num_chunks, corrupt, 0, header
 
     def isend(self, peer: int, tag: int, buffers: Sequence[torch.Tensor], *, deadline: float) -> Handle:
         if tag == TAG_STATE:
@@ -63,9 +63,9 @@ class DiesAfter(ForwardingTransport):
                 raise PeerFailure(peer, "this donor was killed")
             self.left -= 1
             self.count += 1
-            if self.count == self.corrupt:  # one bit flipped on the wire
+            if self.count == self.corrupt:  # one bit flipped on the wire: in the chunk's bytes, or in its index
                 buffers = [b.clone() for b in buffers]
-                buffers[-1].view(torch.uint8)[0] ^= 1
+                buffers[0 if self.header else -1].view(torch.uint8)[0] ^= 1
         return super().isend(peer, tag, buffers, deadline=deadline)
 
 
@@ -174,13 +174,18 @@ def test_a_transfer_s_messages_are_its_chunks_and_the_offer_and_answer():
     assert num_messages(shared_bytes, sum(t.nbytes for t in state.values()) - shared_bytes) == 4 + layout.num_chunks
 
 
-def test_a_corrupt_chunk_is_detected_and_fetched_again():
+@pytest.mark.parametrize("where", ["bytes", "header"])
+def test_a_corrupt_chunk_is_detected_and_fetched_again(where):
+    """A bit flipped in a chunk's bytes, or in the index of its header (which failed the whole transfer's try
+    before 2026-12-07): that chunk is left missing, the others are kept, and the next offer sends it alone."""
     donor_t, joiner_t = local_group(2)
     fetch = StateFetch()
     deadline = time.monotonic() + 30
-    run_threads([lambda: send_state(DiesAfter(donor_t, 10**6, corrupt=2), 1, offer("A", 1), deadline=deadline),
-                 lambda: fetch.fetch(joiner_t, 0, deadline=deadline)])
-    assert fetch.num_corrupt == 1 and not fetch.complete and 1 not in fetch.received
+    donor = DiesAfter(donor_t, 10**6, corrupt=2, header=where == "header")
+    report, complete = run_threads([lambda: send_state(donor, 1, offer("A", 1), deadline=deadline),
+                                    lambda: fetch.fetch(joiner_t, 0, deadline=deadline)])
+    assert not complete and fetch.num_corrupt == 1 and 1 not in fetch.received
+    assert fetch.received == set(range(report.num_chunks)) - {1}
     report, complete = run_threads([lambda: send_state(donor_t, 1, offer("A", 1), deadline=deadline),
                                     lambda: fetch.fetch(joiner_t, 0, deadline=deadline)])
     assert complete and report.num_chunks == 1
@@ -215,6 +220,25 @@ def test_an_offer_that_is_not_the_agreed_state_is_refused():
 
     report, _ = run_threads([lambda: send_state(donor_t, 1, offer("A", 1, state_hash="h3"), deadline=deadline), joiner])
     assert outcome["refused"] and report.num_chunks == 0 and not fetch.received  # the donor was not left waiting
+
+
+def test_an_offer_of_no_shared_state_is_refused():
+    """A donor offering no global weights (only its own tensors, or nothing): the fetch was complete at once and
+    the joiner went on with no state. It is refused, and the donor is answered rather than left waiting."""
+    donor_t, joiner_t = local_group(2)
+    fetch = StateFetch()
+    deadline = time.monotonic() + 30
+    empty = StateOffer(step=3, origin="A", state_hash=state_hash({}), shared={}, own=own_state(1), chunk_bytes=CHUNK,
+                       piece_bytes=PIECE)
+    outcome = {}
+
+    def joiner():
+        with pytest.raises(StateCorrupt, match="donor 0 offered no shared state .no global weights.; refused"):
+            fetch.fetch(joiner_t, 0, deadline=deadline)
+        outcome["refused"] = True
+
+    report, _ = run_threads([lambda: send_state(donor_t, 1, empty, deadline=deadline), joiner])
+    assert outcome["refused"] and report.num_chunks == 0 and not fetch.complete
 
 
 def test_a_small_state_is_cut_into_several_chunks_and_a_large_one_into_chunks_of_chunk_bytes():

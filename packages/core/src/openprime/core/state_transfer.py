@@ -285,6 +285,19 @@ def send_state(transport: Transport, peer: int, offer: StateOffer, *, deadline: 
                       later=bool(want.get("later")))
 
 
+def _read_offer(offer: dict[str, Any], donor: int) -> tuple[list[TensorSpec], _Layout]:
+    """The tensors and chunks an offer describes; StateCorrupt for one that is malformed or holds no shared state
+    (the global weights: a fetch of nothing would be complete at once, and the joiner left with no state)."""
+    try:
+        specs = [TensorSpec(str(n), str(d), tuple(int(x) for x in s), bool(sh)) for n, d, s, sh in offer["tensors"]]
+        layout = _Layout(specs, int(offer["chunk_bytes"]), int(offer["piece_bytes"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise StateCorrupt(f"donor {donor} sent a malformed state offer: {e}") from None
+    if not any(spec.shared and spec.num_bytes for spec in specs):
+        raise StateCorrupt(f"donor {donor} offered no shared state (no global weights); refused")
+    return specs, layout
+
+
 class StateFetch:
     """Joiner side: receives a donor's state into tensors it owns, keeping its progress across donors.
 
@@ -333,11 +346,15 @@ class StateFetch:
         PeerFailure propagates with the progress kept for the next donor.
         """
         offer = _recv_packed(transport, donor, TAG_STATE_OFFER, deadline, MAX_OFFER_BYTES)
-        if expected_hash is not None and offer.get("state_hash") != expected_hash:
-            _send_packed(transport, donor, TAG_STATE_WANT, {"chunks": [], "later": False}, deadline)
-            raise StateCorrupt(f"donor {donor} offered a state hashing to {offer.get('state_hash')}, not the "
-                               f"{expected_hash} the members agreed on; refused")
-        self._adopt(offer, donor)
+        try:
+            if expected_hash is not None and offer.get("state_hash") != expected_hash:
+                raise StateCorrupt(f"donor {donor} offered a state hashing to {offer.get('state_hash')}, not the "
+                                   f"{expected_hash} the members agreed on; refused")
+            specs, layout = _read_offer(offer, donor)
+        except StateCorrupt:
+            _send_packed(transport, donor, TAG_STATE_WANT, {"chunks": [], "later": False}, deadline)  # not left waiting
+            raise
+        self._adopt(offer, specs, layout)
         missing = [i for i in range(self._layout.num_chunks) if i not in self.received]
         now = missing if (not later or self.received) else []
         _send_packed(transport, donor, TAG_STATE_WANT, {"chunks": now, "later": later and not now}, deadline)
@@ -367,13 +384,8 @@ class StateFetch:
                 self.received, self._shared_digests = set(), {}
         return self.complete
 
-    def _adopt(self, offer: dict[str, Any], donor: int) -> None:
+    def _adopt(self, offer: dict[str, Any], specs: list[TensorSpec], layout: _Layout) -> None:
         """Keep what still holds from earlier donors; reset the rest."""
-        try:
-            specs = [TensorSpec(str(n), str(d), tuple(int(x) for x in s), bool(sh)) for n, d, s, sh in offer["tensors"]]
-            layout = _Layout(specs, int(offer["chunk_bytes"]), int(offer["piece_bytes"]))
-        except (KeyError, TypeError, ValueError) as e:
-            raise StateCorrupt(f"donor {donor} sent a malformed state offer: {e}") from None
         same = self.header is not None and all(self.header[k] == offer[k] for k in (
             "step", "tensors", "chunk_bytes", "piece_bytes", "state_hash"))
         if not same:
@@ -392,16 +404,16 @@ class StateFetch:
 
     def _check(self, index: int, header: torch.Tensor, views: list[torch.Tensor], donor: int) -> None:
         got_index, checksum = (int(x) for x in header)
-        if got_index != index:
-            raise StateCorrupt(f"donor {donor} sent chunk {got_index} where chunk {index} was expected")
         self.num_chunks_fetched += 1
         chunk = self._layout.views(views, index)
         self.num_bytes_fetched += sum(v.numel() for v in chunk)
         digests = _digests(chunk, self._layout.piece_bytes)
-        if digest.checksum(digests) != checksum:
+        # A header whose index is not the chunk's (flipped on the way) is a corrupt chunk too: its bytes landed in
+        # this chunk's place, and its checksum may be another's. The transfer goes on (the tags stay in step).
+        if got_index != index or digest.checksum(digests) != checksum:
             self.num_corrupt += 1
-            log.warning("chunk %d of the state from donor %d does not match its checksum; it will be fetched again",
-                        index, donor)
+            log.warning("chunk %d of the state from donor %d %s; it will be fetched again", index, donor,
+                        "does not match its checksum" if got_index == index else f"came labelled {got_index}")
             return
         self.received.add(index)
         if self._layout.is_shared(index):
