@@ -87,12 +87,18 @@ def _copy(run_dir: pathlib.Path, tmp_path: pathlib.Path) -> pathlib.Path:
 
 
 def test_each_part_records_the_global_state_hash_the_replicas_agreed_on(stopped):
+    from openprime.train.data import prepare_data
+    from openprime.train.recipe import recipe_config
+
+    data_cfg = recipe_config(RECIPE, []).data
     """What a resume checks to refuse a step that mixes two saves of it (openprime.ckpt.store._check_one_save)."""
     agreed = {r["step"]: r["state_hash"] for r in read_records(stopped) if r["kind"] == "outer"}
     for step in (20, 30):
         for part in ("slot-0", "slot-1"):
-            fingerprint = part_info(stopped / "checkpoints" / f"step-{step:08d}" / part)["fingerprint"]
-            assert (fingerprint.group, fingerprint.digest) == ("rank-0", agreed[step]), (step, part)
+            info = part_info(stopped / "checkpoints" / f"step-{step:08d}" / part)
+            assert (info["fingerprint"].group, info["fingerprint"].digest) == ("rank-0", agreed[step]), (step, part)
+            # And the token streams its data position refers to (checked on resume: data_layout_changes).
+            assert info["state"]["data"]["tokens"] == [s.tokens_sha256 for s in prepare_data(data_cfg).sources]
 
 
 @pytest.mark.slow

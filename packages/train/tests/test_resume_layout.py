@@ -42,6 +42,25 @@ def test_other_data_under_the_same_settings_is_named_by_its_sequences():
         _changes(rows=[900, 1013])
 
 
+def test_other_data_with_as_many_sequences_is_named_by_its_token_streams():
+    """A new tokenizer or an edited file changes each source's sequence count in only some slots: the others
+    continued their saved positions on other tokens without a word (found 2026-12-07: 3 of 8 slots of a run whose
+    vocab_size changed). Each source's stream SHA-256 is saved with the positions and compared."""
+    saved = {**SAVED, "tokens": ["a" * 64, "b" * 64]}
+    with pytest.raises(ConfigError, match=r"the token stream of data.mixture source\(s\) \[1\] \(SHA-256 cccccccccccc, "
+                                          r"saved: bbbbbbbbbbbb\).*Resume with the data it was saved with"):
+        data_layout_changes(saved, {**saved, "tokens": ["a" * 64, "c" * 64]}, where="X",
+                            on_change=LayoutChange.REFUSE)
+    with pytest.raises(ConfigError, match=r"3 data sources \(saved: 2\)"):
+        data_layout_changes(saved, {**saved, "tokens": ["a" * 64, "b" * 64, "c" * 64]}, where="X",
+                            on_change=LayoutChange.REFUSE)
+    # What the launcher knows (the settings and the streams, before a node loads its slot) is enough to refuse.
+    launcher = {"seed": 0, "seq_len": 32, "num_slots": 8, "tokens": ["a" * 64, "c" * 64]}
+    assert data_layout_changes(saved, launcher, where="X", on_change=LayoutChange.RESTART)[0].startswith(
+        "the token stream of data.mixture source(s) [1]")
+    assert data_layout_changes(SAVED, launcher, where="X", on_change=LayoutChange.REFUSE) == []  # saved before
+
+
 def test_restart_returns_the_changes_for_the_node_to_say():
     assert _changes(LayoutChange.RESTART, num_slots=4, rows=[1870, 2026]) == ["mesh.max_nodes 4 (saved: 8)"]
     # A launcher knows the settings before the data is loaded: it compares those.

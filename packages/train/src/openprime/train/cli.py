@@ -493,8 +493,10 @@ def _resume_from(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path
                 for name, t in model.state_dict().items()}
     first_part = found.part(nodes[0][0])
     check_compatible(first_part, {"model": expected})
-    # The data layout's settings, before any node starts (each node checks its sequences per source as it loads).
-    layout = {"seed": cfg.data.seed, "seq_len": cfg.train.seq_len, "num_slots": cfg.mesh.max_nodes}
+    # The data layout's settings and token streams (prepared, so cached), before any node starts (each node checks
+    # its sequences per source as it loads).
+    layout = {"seed": cfg.data.seed, "seq_len": cfg.train.seq_len, "num_slots": cfg.mesh.max_nodes,
+              "tokens": [source.tokens_sha256 for source in prepare_data(cfg.data).sources]}
     changes = data_layout_changes(part_info(first_part)["state"]["data"], layout,
                                   where=f"checkpoint {found.path}", on_change=cfg.data.on_layout_change)
     if changes:

@@ -108,7 +108,8 @@ class MixtureBatches:
     """
 
     def __init__(self, streams: Sequence[np.ndarray], weights: Sequence[float], *, seq_len: int, batch_size: int,
-                 slot: int, num_slots: int, seed: int, labels: Sequence[str] | None = None) -> None:
+                 slot: int, num_slots: int, seed: int, labels: Sequence[str] | None = None,
+                 tokens: Sequence[str] | None = None) -> None:
         if seq_len < 1 or batch_size < 1:
             raise ConfigError(f"MixtureBatches: seq_len {seq_len} and batch_size {batch_size} must be >= 1")
         if not 0 <= slot < num_slots:
@@ -119,6 +120,7 @@ class MixtureBatches:
         labels = list(labels) if labels is not None else [f"source {i}" for i in range(len(streams))]
         self.seq_len, self.batch_size, self.slot, self.num_slots, self.seed = seq_len, batch_size, slot, num_slots, seed
         self.labels = labels
+        self.tokens = list(tokens) if tokens is not None else None  # each stream's SHA-256: which data it is
         self.weights_S = np.asarray(weights, dtype=np.float64) / np.sum(weights)
         self.sources = [_SourceRows(tokens, seq_len=seq_len, slot=slot, num_slots=num_slots,
                                     key=[seed, slot, _SHUFFLE_STREAM, i], label=label)
@@ -149,9 +151,12 @@ class MixtureBatches:
         The weights are not part of it: resuming with other weights continues every source where it was
         and draws in the new proportions from then on.
         """
-        return {"batch": self.batch, "epochs": self.epochs, "positions": [s.position for s in self.sources],
-                "rows": [len(s.row_ids) for s in self.sources], "seed": self.seed, "seq_len": self.seq_len,
-                "batch_size": self.batch_size, "slot": self.slot, "num_slots": self.num_slots}
+        state = {"batch": self.batch, "epochs": self.epochs, "positions": [s.position for s in self.sources],
+                 "rows": [len(s.row_ids) for s in self.sources], "seed": self.seed, "seq_len": self.seq_len,
+                 "batch_size": self.batch_size, "slot": self.slot, "num_slots": self.num_slots}
+        if self.tokens is not None:
+            state["tokens"] = self.tokens
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state`; it must come from batches of the same slot and layout (`layout_changes`).
@@ -178,8 +183,10 @@ class MixtureBatches:
 
 
 # What a saved position refers to: with any of these changed, the saved positions name other sequences (rows: how
-# many sequences each source has in the slot, which changes with the data, its tokenizer or its validation split).
-LAYOUT_KEYS = ("seed", "seq_len", "num_slots", "rows")
+# many sequences each source has in the slot, which changes with the data, its tokenizer or its validation split;
+# tokens: each source's token stream's SHA-256. The rows alone missed most changes: a new tokenizer or an edited
+# file changes the count of only some slots, and the others continued on other tokens without a word.)
+LAYOUT_KEYS = ("seed", "seq_len", "num_slots", "rows", "tokens")
 
 
 def layout_changes(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
@@ -201,7 +208,8 @@ def node_batches(prepared: PreparedData, cfg: DataConfig, *, seq_len: int, batch
     check_matches(prepared, cfg)
     streams = [load_tokens(prepared, Split.TRAIN, i) for i in range(len(prepared.sources))]
     return MixtureBatches(streams, cfg.weights, seq_len=seq_len, batch_size=batch_size, slot=slot,
-                          num_slots=num_slots, seed=cfg.seed, labels=[entry.label for entry in cfg.mixture])
+                          num_slots=num_slots, seed=cfg.seed, labels=[entry.label for entry in cfg.mixture],
+                          tokens=[source.tokens_sha256 for source in prepared.sources])
 
 
 def validation_batches(prepared: PreparedData, cfg: DataConfig, *, seq_len: int, batch_size: int,
