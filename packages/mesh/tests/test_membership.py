@@ -4,6 +4,7 @@ hash disagreement. Fast: heartbeats every 0.1 s."""
 
 import contextlib
 import itertools
+import logging
 import socket
 import threading
 import time
@@ -380,6 +381,33 @@ def test_slots_stop_at_the_number_the_nodes_cut_their_data_into():
                                               r"--set mesh.max_nodes=64"):
             clients[3].join(terms={**terms, "mesh.max_nodes": "100"}, timeout_s=2)
         assert set(coordinator.nodes) == {"n0", "n1"}
+    finally:
+        _close(clients)
+        coordinator.stop()
+
+
+def test_a_node_without_a_slot_of_its_own_gets_one_no_node_held_before_a_held_one(caplog):
+    """A node that joins without asking for a slot (a replacement, no checkpoint) reads its slot's data from the
+    start. It was given the lowest free slot, the one a node that left had just freed: it trained again, batch for
+    batch, what that node had trained, while slots no node had held stayed unread. A slot asked for (a resume, a
+    rejoin) is still granted when free, and once every slot was held the lowest free one is, with a warning."""
+    coordinator = Coordinator(attrs.evolve(FAST, max_nodes=3)).start()
+    clients = [MeshClient(coordinator.address, FAST, node_id=f"n{i}") for i in range(5)]
+    try:
+        assert [clients[i].join() for i in range(2)] == [0, 1]
+        clients[0].close()  # slot 0 is free again, and was held
+        while "n0" in coordinator.nodes:
+            time.sleep(0.05)
+        with caplog.at_level(logging.WARNING, logger="openprime.mesh"):
+            assert clients[2].join() == 2  # not 0
+            assert "held" not in caplog.text
+            clients[1].close()
+            while "n1" in coordinator.nodes:
+                time.sleep(0.05)
+            assert clients[3].join(slot=1) == 1  # asked for (its own, on a rejoin): granted
+            assert clients[4].join() == 0  # every slot was held: the lowest free one, said
+        assert "node n4 takes data slot 0, which a node that left held: it reads that slot's data from the start" \
+            in caplog.text
     finally:
         _close(clients)
         coordinator.stop()

@@ -157,8 +157,9 @@ class MeshClient:
         """Register with the coordinator; returns this node's data slot. Admission happens at a sync.
 
         `slot` asks for a data slot (a node resuming a checkpoint wants its own); the coordinator grants it
-        if it is free, and otherwise gives the lowest free one. `terms`: what every node of the run must agree
-        on (name -> value); the coordinator refuses a node whose terms differ from the run's, naming the first.
+        if it is free, and otherwise gives the lowest free one that no node held (then the lowest free one).
+        `terms`: what every node of the run must agree on (name -> value); the coordinator refuses a node whose
+        terms differ from the run's, naming the first.
         """
         deadline = time.monotonic() + (timeout_s or self.config.sync_timeout_s)
         self.slot, self.terms = slot, dict(terms or {})

@@ -91,6 +91,7 @@ class Coordinator:
                                  timeout_s=store_timeout_s)
         self.store = f"{host}:{self._store.port}"
         self.nodes: dict[str, NodeRecord] = {}
+        self.slots_held: set[int] = set()  # data slots granted since this coordinator started (see _grant_slot)
         self.epoch = 0
         self.members: list[str] = []
         self.step = 0
@@ -257,10 +258,28 @@ class Coordinator:
 
     def _valid_slot(self, node: str, slot: int) -> int:
         """The slot a node reports, if it is in range and free; otherwise a free one (or -1 while none is)."""
+        granted = self._grant_slot(node, slot)
+        return granted if granted < self.num_slots else -1
+
+    def _grant_slot(self, node: str, wanted: Any) -> int:
+        """The data slot for `node`: the one it asks for if that is free (a node resuming a checkpoint, or
+        rejoining, asks for its own), else the lowest free slot that no node has held, else the lowest free one;
+        num_slots when none is free. A node without a slot of its own reads its slot's data from the start: given
+        a slot a node that left had held (the lowest free one), a replacement trained again, batch for batch, what
+        that node had trained, while slots never held stayed unread (found 2026-12-07)."""
         used = {r.slot for n, r in self.nodes.items() if n != node}
-        if 0 <= slot < self.num_slots and slot not in used:
-            return slot
-        return next((s for s in range(self.num_slots) if s not in used), -1)
+        free = [s for s in range(self.num_slots) if s not in used]
+        if isinstance(wanted, int) and wanted in free:
+            slot = wanted
+        else:
+            slot = next((s for s in free if s not in self.slots_held), free[0] if free else self.num_slots)
+            if slot in self.slots_held:
+                log.warning("node %s takes data slot %d, which a node that left held: it reads that slot's data "
+                            "from the start (every slot of mesh.max_nodes=%d was held; more slots give it unread "
+                            "data)", node, slot, self.num_slots)
+        if slot < self.num_slots:
+            self.slots_held.add(slot)
+        return slot
 
     def _on_join(self, route: bytes, message: dict) -> dict:
         node = message["node"]
@@ -275,14 +294,9 @@ class Coordinator:
             return {"op": "refused", "reason": reason}
         record = self.nodes.get(node)
         if record is None:
-            used = {r.slot for r in self.nodes.values()}
-            wanted, num_slots = message.get("slot", -1), self.num_slots
-            if isinstance(wanted, int) and 0 <= wanted < num_slots and wanted not in used:
-                slot = wanted  # a node resuming from a checkpoint asks for its own data slot
-            else:
-                slot = next((s for s in range(num_slots) if s not in used), num_slots)
-            if slot >= num_slots:
-                return {"op": "refused", "reason": terms_rules.full(num_slots, self.config.max_nodes)}
+            slot = self._grant_slot(node, message.get("slot", -1))
+            if slot >= self.num_slots:
+                return {"op": "refused", "reason": terms_rules.full(self.num_slots, self.config.max_nodes)}
             now = self._now()
             record = NodeRecord(node=node, incarnation=message["incarnation"], slot=slot, last_seen=now, joined_at=now)
             self.nodes[node] = record
