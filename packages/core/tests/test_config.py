@@ -132,3 +132,17 @@ def test_overrides_that_are_valid_only_together_are_applied_together():
         override_all(Run(), [("steps.save_every", "50"), ("name", "x")])
     with pytest.raises(ConfigError, match=r"unknown config key 'steps.evry' \(did you mean 'steps.every'"):
         override_all(Run(), [("steps.save_every", "30"), ("steps.evry", "30")])
+
+
+def test_a_stream_transport_s_chunks_hold_whole_numbers():
+    """ZeroMQ adds the chunks of an fp32 message into the receiver's accumulator as they come: with chunk_bytes not a
+    multiple of 4 every uncompressed all-reduce over it failed ("not aligned to 4 bytes"), at run time, on every
+    try (review of 2026-12-07). It is refused at config time, with the nearest sizes that work."""
+    from openprime.core.streams import StreamTransportConfig
+
+    with pytest.raises(ConfigError, match=r"StreamTransportConfig.chunk_bytes must be a multiple of 8, got 1000001: "
+                                          r"use 1000000 or 1000008"):
+        StreamTransportConfig(chunk_bytes=1_000_001)
+    with pytest.raises(ConfigError, match="must be a multiple of 8, got 3: use 8$"):
+        StreamTransportConfig(chunk_bytes=3)
+    assert StreamTransportConfig(chunk_bytes=1_000_000).chunk_bytes == 1_000_000

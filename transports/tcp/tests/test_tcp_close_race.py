@@ -111,3 +111,28 @@ def test_a_link_broken_between_the_connect_and_the_dealing_fails_the_send_and_th
     finally:
         sender.close()
         receiver.close()
+
+
+def test_every_connection_probes_its_peer_while_it_idles():
+    """A mesh keeps one group per epoch: its connections idle through every inner phase (about 38 minutes in
+    INTELLECT-1), longer than NATs keep an idle mapping (an AWS NAT gateway: 350 s). ZeroMQ's sockets kept them with
+    keepalive probes; the TCP transport's had none (review of 2026-12-07). Both ends of every connection do now."""
+    import socket
+
+    from openprime.core.streams import KEEPALIVE_COUNT, KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S
+
+    sender, receiver = _pair("keepalive")
+    try:
+        sender.send(1, TAG_ALL_REDUCE, [torch.ones(4)], deadline=time.monotonic() + 5)
+        receiver.recv(0, TAG_ALL_REDUCE, [torch.empty(4)], deadline=time.monotonic() + 5)
+        socks = [*sender._out[1].sockets, *receiver._in_sockets[0]]
+        assert len(socks) == 2 * CONFIG.num_connections
+        for sock in socks:
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            assert (sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+                    sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
+                    sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT)) == (
+                KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT)
+    finally:
+        sender.close()
+        receiver.close()

@@ -104,6 +104,18 @@ def all_of(*validators: Callable) -> Callable:
     return check
 
 
+def multiple_of(step: int) -> Callable:
+    """Validator: an int that is a multiple of `step` (the message names the nearest ones)."""
+
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if value % step:
+            below, above = value - value % step, value - value % step + step
+            raise ConfigError(f"{_where(instance, attribute)} must be a multiple of {step}, got {value!r}: use "
+                              f"{below or above}" + (f" or {above}" if below else ""))
+
+    return check
+
+
 def positive_int() -> Callable:
     """Validator: an int >= 1 (counts, sizes)."""
     return all_of(instance_of(int), at_least(1))

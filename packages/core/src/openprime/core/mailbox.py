@@ -80,8 +80,9 @@ class PendingRecv(Handle):
             while not self.done and self.error is None:
                 left = remaining(self._deadline)
                 if left <= 0:
-                    self._mailbox.abandon(self)
-                    raise PeerFailure(self.peer, f"deadline passed waiting for a message with tag {self.tag}")
+                    error = PeerFailure(self.peer, f"deadline passed waiting for a message with tag {self.tag}")
+                    self._mailbox.abandon(self, error)
+                    raise error
                 self._mailbox.cond.wait(left)
             if self.error is not None:
                 raise self.error
@@ -140,11 +141,12 @@ class Mailbox:
                 self._fail(recv, PeerFailure(peer, reason))
             return recv
 
-    def abandon(self, recv: PendingRecv) -> None:
-        """Forget a receive whose deadline passed; its late chunks will be dropped. Holds cond."""
-        key = (recv.peer, recv.tag, recv.seq)
-        if self._posted.pop(key, None) is not None:
-            self._finished.add(key)
+    def abandon(self, recv: PendingRecv, error: OpenPrimeError) -> None:
+        """Fail a receive whose deadline passed with `error`: its late chunks are dropped, one that a connection
+        matched to it already included (`delivered` skips a failed receive: an accumulating one added it into the
+        caller's tensor after the caller saw the failure). Holds cond."""
+        if (recv.peer, recv.tag, recv.seq) in self._posted:
+            self._fail(recv, error)
 
     # -------------------------------------------------------------- the connections' side
 

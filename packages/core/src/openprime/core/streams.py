@@ -7,11 +7,28 @@ authenticate every connection (auth.py). Their config is therefore one class.
 
 from __future__ import annotations
 
+import socket
+
 import attrs
 
 from openprime.core.auth import AuthConfig
-from openprime.core.config import config, field, instance_of, positive_float, positive_int
+from openprime.core.config import all_of, config, field, instance_of, multiple_of, positive_float, positive_int
 from openprime.core.shaping import PIECE_BYTES, LinkShaping
+
+# Keepalive probes find a peer whose machine vanished (no FIN, no RST) and keep NAT mappings open on long WAN links
+# that idle between outer steps (INTELLECT-1, section 3.1: about 38 min of compute; an AWS NAT gateway drops an idle
+# mapping after 350 s). A dead peer is found within KEEPALIVE_IDLE_S + KEEPALIVE_COUNT x KEEPALIVE_INTERVAL_S.
+KEEPALIVE_IDLE_S = 30
+KEEPALIVE_INTERVAL_S = 10
+KEEPALIVE_COUNT = 6
+
+
+def keep_alive(sock: socket.socket) -> None:
+    """Turn on TCP keepalive with the probes above (a plain socket; ZeroMQ sets the same through its options)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_S)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_COUNT)
 
 
 @config
@@ -25,7 +42,10 @@ class StreamTransportConfig:
                                     validator=attrs.validators.optional(instance_of(str)))
     num_connections: int = field(4, doc="parallel connections per peer; large messages are striped over them",
                                  validator=positive_int())
-    chunk_bytes: int = field(4 << 20, doc="largest piece of a message sent as one frame", validator=positive_int())
+    # A multiple of 8: chunks of an fp32 (or fp64) message then hold whole numbers, which ZeroMQ adds into the
+    # receiver's accumulator as they come; any other size failed every uncompressed all-reduce over ZeroMQ.
+    chunk_bytes: int = field(4 << 20, doc="largest piece of a message sent as one frame (a multiple of 8)",
+                             validator=all_of(positive_int(), multiple_of(8)))
     max_frame_bytes: int = field(1 << 34, doc="largest message accepted from a peer (bytes)", validator=positive_int())
     max_unexpected_bytes: int = field(1 << 30, doc="bytes held for receives not yet posted, per transport",
                                       validator=positive_int())

@@ -35,7 +35,7 @@ from openprime.core.frames import (
 from openprime.core.outbox import Chunk, ConnectionWriter, now
 from openprime.core.shaping import LinkShaper
 from openprime.core.stream_transport import OutLink, StreamTransport
-from openprime.core.streams import StreamTransportConfig
+from openprime.core.streams import StreamTransportConfig, keep_alive
 from openprime.core.transport import Rendezvous, remaining
 
 TcpTransportConfig = StreamTransportConfig
@@ -116,6 +116,7 @@ class TcpTransport(StreamTransport):
                 sock = socket.create_connection((host, int(port)), timeout=timeout)
                 link.sockets.append(sock)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                keep_alive(sock)  # these connections idle through every inner phase: NATs drop idle mappings
                 self._client_handshake(sock, peer, conn, link.generation)
         except (OSError, OpenPrimeError, RuntimeError) as e:
             self._drop(link)
@@ -192,6 +193,7 @@ class TcpTransport(StreamTransport):
     def _serve(self, sock: socket.socket, addr: str) -> None:
         peer = None
         try:
+            keep_alive(sock)
             sock.settimeout(self.config.connect_timeout_s)
             peer = self._server_handshake(sock, addr)
             sock.settimeout(None)

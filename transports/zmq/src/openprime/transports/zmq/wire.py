@@ -13,14 +13,10 @@ import zmq
 
 from openprime.core.errors import FrameError
 from openprime.core.frames import KIND_CONTROL, PREFIX_BYTES, decode_control, decode_prefix
+from openprime.core.streams import KEEPALIVE_COUNT, KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S  # the TCP transport's too
 
 BYE = {"op": "bye"}
 CONTROL_MAX_BYTES = PREFIX_BYTES + 0xFFFF  # a control frame's header length is a 16-bit field
-# Keepalive probes find a peer whose machine vanished (no FIN, no RST) and keep NAT mappings open on
-# long WAN links that idle between outer steps (INTELLECT-1, section 3.1: about 38 min of compute).
-KEEPALIVE_IDLE_S = 30
-KEEPALIVE_INTERVAL_S = 10
-KEEPALIVE_COUNT = 6
 
 
 def endpoint(host: str, port: int | None = None) -> str:
