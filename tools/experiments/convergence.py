@@ -166,11 +166,12 @@ def overrides(s: Settings, v: Variant, extra: Sequence[str] = ()) -> list[str]:
         f"train.num_steps={s.num_steps}",
         f"train.seq_len={s.seq_len}",
         f"train.batch_size={batch}",
-        # The single node trains on the global batch in micro-batches of the per-node batch: its validation
-        # batches (of the micro-batch size) are then the very ones the other variants evaluate on.
+        # The single node trains on the global batch in micro-batches of the per-node batch; every variant
+        # evaluates on the same held-out batches, of the per-node batch.
         f"train.micro_batch_size={micro}",
         f"train.eval_every={s.num_inner_steps}",
         f"train.num_eval_batches={s.num_eval_batches}",
+        f"train.eval_batch_size={s.batch_size}",
         f"train.log_every={s.num_inner_steps}",
         f"optim.lr={s.inner_lr}",
         f"schedule.num_warmup_steps={s.num_warmup_steps}",

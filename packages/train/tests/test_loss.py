@@ -68,3 +68,23 @@ def test_bf16_logits_are_reduced_in_float32():
 def test_negative_weight_is_refused():
     with pytest.raises(ValueError, match="z_loss_weight"):
         loss_with_max_z(LOGITS_BLV, TARGETS_BL, z_loss_weight=-1.0)
+
+
+def test_the_validation_loss_does_not_depend_on_the_micro_batches_it_is_run_in():
+    """Nodes on machines of different memory run the same held-out batches in micro-batches of their own size; the
+    batches were of the micro-batch size, so such nodes scored other sequences (review of 2026-12-07)."""
+    from openprime.train.loss import validation_loss
+
+    g = torch.Generator().manual_seed(0)
+    table_VV = torch.randn(16, 16, generator=g)
+
+    def model(inputs_BL):  # a bigram model: logits of the next token from the current one
+        return table_VV[inputs_BL]
+
+    batches = [(torch.randint(0, 16, (8, 5), generator=g), torch.randint(0, 16, (8, 5), generator=g))
+               for _ in range(3)]
+    whole = validation_loss(model, batches, micro_batch_size=8)
+    expected = sum(cross_entropy_loss(model(x), y).item() for x, y in batches) / 3
+    assert whole == pytest.approx(expected, rel=1e-6)
+    for micro in (1, 2, 3, 4):  # 3: a last micro-batch of 2
+        assert validation_loss(model, batches, micro_batch_size=micro) == pytest.approx(whole, rel=1e-6), micro

@@ -92,6 +92,9 @@ class TrainConfig:
                                    "(0: never)", validator=non_negative_int())
     num_eval_batches: int = field(4, doc="held-out batches of the validation loss (the same on every node)",
                                   validator=positive_int())
+    eval_batch_size: int = field(0, doc="sequences per held-out batch (0: train.batch_size); each is run in "
+                                        "micro-batches of this machine's train.micro_batch_size",
+                                 validator=non_negative_int())
     strategy: Strategy = field(Strategy.DILOCO, doc="diloco, or data_parallel (gradients averaged every step)",
                                validator=one_of_enum(Strategy))
     stop_after_outer_steps: int = field(

@@ -14,6 +14,7 @@ Tokens whose target is `ignore_index` (padding, masked prompts) count in neither
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -77,3 +78,19 @@ __all__ = [
     "loss_with_max_z",
     "max_z_loss",
 ]
+
+
+@torch.no_grad()
+def validation_loss(model: Callable[[torch.Tensor], torch.Tensor], batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                    *, micro_batch_size: int, device: torch.device | str = "cpu") -> float:
+    """Mean cross-entropy of `model` over `batches` of (inputs_BL, targets_BL), run in micro-batches of at most
+    `micro_batch_size` sequences (what fits this machine): each micro-batch's mean weighted by its sequences, so the
+    value does not depend on the split beyond float rounding (every sequence has L targets; ignored ones aside)."""
+    total, num_sequences = 0.0, 0
+    for inputs_BL, targets_BL in batches:
+        for inputs_bL, targets_bL in zip(inputs_BL.split(micro_batch_size), targets_BL.split(micro_batch_size),
+                                         strict=True):
+            logits_bLV = model(inputs_bL.to(device))
+            total += cross_entropy_loss(logits_bLV, targets_bL.to(device)).item() * len(inputs_bL)
+            num_sequences += len(inputs_bL)
+    return total / num_sequences

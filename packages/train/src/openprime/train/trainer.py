@@ -56,7 +56,7 @@ from openprime.train.data_parallel import GradientAllReduce
 from openprime.train.guard import NonFiniteSteps
 from openprime.train.hardware import check_local_ranks, detect_device_type
 from openprime.train.leaving import stop_deferred
-from openprime.train.loss import cross_entropy_loss, loss_with_max_z
+from openprime.train.loss import loss_with_max_z, validation_loss
 from openprime.train.metrics import (
     MetricsWriter,
     holds_outer_steps,
@@ -320,20 +320,18 @@ class Node:
             self.ckpt = node_checkpointer(self.cfg.checkpoint, self.run_dir, self.part)
 
     def evaluate(self) -> float:
-        """The validation loss: mean cross-entropy over the held-out batches, the same on every node. (Under
-        FSDP2 every local rank runs the same forward passes: their all-gathers need each other.)"""
+        """The validation loss: mean cross-entropy over the held-out batches, the same sequences on every node.
+        The batches are of train.eval_batch_size (the recipe's), each run through the model in micro-batches of
+        this machine's size (its memory's: they were the batches, and nodes set up differently scored other
+        sequences). Under FSDP2 every local rank runs the same forward passes: their all-gathers need each other."""
+        eval_batch_size = self.cfg.train.eval_batch_size or self.cfg.train.batch_size
         if self._eval_batches is None:
             prepared = prepare_data(self.cfg.data)
-            batch_size = self.cfg.train.micro_batch_size or self.cfg.train.batch_size // self.cfg.fsdp.num_local_ranks
             self._eval_batches = list(validation_batches(prepared, self.cfg.data, seq_len=self.cfg.train.seq_len,
-                                                         batch_size=batch_size,
+                                                         batch_size=eval_batch_size,
                                                          num_batches=self.cfg.train.num_eval_batches))
-        total = 0.0
-        with torch.no_grad():
-            for inputs_BL, targets_BL in self._eval_batches:
-                logits_BLV = self.model(inputs_BL.to(self.device))
-                total += cross_entropy_loss(logits_BLV, targets_BL.to(self.device)).item()
-        return total / len(self._eval_batches)
+        micro = self.cfg.train.micro_batch_size or self.cfg.train.batch_size // self.cfg.fsdp.num_local_ranks
+        return validation_loss(self.model, self._eval_batches, micro_batch_size=micro, device=self.device)
 
     def tokens(self, step: int) -> int:
         """The tokens per node trained by the end of inner step `step`."""
