@@ -65,6 +65,20 @@ def test_tokenizer_round_trips_real_text(prepared):
     assert len(tokenizer.encode(verse).ids) < len(verse.encode()) / 2.5
 
 
+def test_the_end_of_text_token_s_name_inside_a_document_is_text(prepared):
+    """Code and web text contain "<|end_of_text|>": it was encoded as the end-of-text id, a document boundary the
+    model saw where there was none, and the document did not decode back (review of 2026-12-07)."""
+    from openprime.train.data.prepare import EOT_TOKEN, tokenize_documents
+
+    tokenizer = load_tokenizer(prepared)
+    document = f'EOT = "{EOT_TOKEN}"  # Llama-3\'s end of a document'
+    stream = tokenize_documents(tokenizer, [document, "and the next"], prepared.eot_id, np.uint16)
+    ends = np.flatnonzero(stream == prepared.eot_id).tolist()
+    assert len(ends) == 2 and ends[-1] == len(stream) - 1  # one after each document, none inside
+    assert tokenizer.decode(stream[:ends[0]].tolist()) == document
+    assert not tokenizer.encode_special_tokens  # the tokenizer is left as it was
+
+
 def test_vocab_size_and_streams(prepared, small_cfg):
     assert prepared.vocab_size == load_tokenizer(prepared).get_vocab_size() == small_cfg.vocab_size
     assert [s.spec for s in prepared.sources] == ["kjv", "cpython"]

@@ -36,7 +36,7 @@ from openprime.train.data.sources import read_documents, source_fingerprint
 
 # Bump when the text extraction, the tokenizer recipe or the file layout changes: it is part of the
 # cache key, so old entries are simply not found again.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: "<|end_of_text|>" inside a document is text (tokenize_documents)
 EOT_TOKEN = "<|end_of_text|>"  # Llama-3's name for the end-of-document token
 _DOC_ORDER_SEED = 0  # fixed: the order of documents is part of the cached stream, not of a run
 
@@ -94,8 +94,15 @@ def train_tokenizer(documents: list[str], vocab_size: int):  # -> tokenizers.Tok
 
 
 def tokenize_documents(tokenizer, documents: list[str], eot_id: int, dtype: np.dtype) -> np.ndarray:
-    """One stream: each document's tokens followed by the end-of-text token."""
-    encodings = tokenizer.encode_batch(documents, add_special_tokens=False)
+    """One stream: each document's tokens followed by the end-of-text token. The text "<|end_of_text|>" inside a
+    document (a tokenizer's code, a chat log) is encoded as text: it became the end-of-text id, a document boundary
+    the model saw where there was none (until 2026-12-07, format 2)."""
+    encode_special_tokens = tokenizer.encode_special_tokens
+    tokenizer.encode_special_tokens = True
+    try:
+        encodings = tokenizer.encode_batch(documents, add_special_tokens=False)
+    finally:
+        tokenizer.encode_special_tokens = encode_special_tokens
     stream = np.empty(sum(len(e.ids) + 1 for e in encodings), dtype=dtype)
     offset = 0
     for encoding in encodings:
