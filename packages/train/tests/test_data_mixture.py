@@ -337,6 +337,21 @@ def test_a_missing_path_names_the_path_and_the_source(tmp_path):
         _prepare(tmp_path, WeightedSource(source=str(tmp_path / "*.parquet")))
 
 
+def test_two_sources_that_read_the_same_file_are_refused(corpus, tmp_path, monkeypatch):
+    """The mixture refuses a source listed twice by its path as written; a directory and a glob inside it, or a
+    relative and an absolute path, read the same documents under other names (review of 2026-12-07: 89 of 133
+    sequences of one's validation split were in the other's training split)."""
+    bible = corpus / "bible"
+    with pytest.raises(ConfigError, match=r"entries 0 \('whole'\) and 1 \('some'\) both read .*chapter000.txt: the "
+                                          r"same documents would count twice"):
+        _prepare(tmp_path, WeightedSource(source=str(bible), name="whole"),
+                 WeightedSource(source=str(bible / "chapter00*.txt"), name="some"))
+    monkeypatch.chdir(corpus)
+    with pytest.raises(ConfigError, match=r"entries 0 \('bible'\) and 1 \('again'\) both read"):
+        _prepare(tmp_path, WeightedSource(source="bible"), WeightedSource(source=str(bible), name="again"))
+    _prepare(tmp_path, WeightedSource(source=str(bible / "nested")), WeightedSource(source=str(bible / "chapter0*")))
+
+
 def test_a_directory_without_documents_is_refused(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="holds no documents.*found: no files at all"):

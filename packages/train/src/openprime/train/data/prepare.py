@@ -32,7 +32,7 @@ import numpy as np
 
 from openprime.core.errors import ConfigError
 from openprime.train.data.config import DataConfig, Source, Split, WeightedSource
-from openprime.train.data.sources import read_documents, source_fingerprint
+from openprime.train.data.sources import read_documents, source_files, source_fingerprint
 
 # Bump when the text extraction, the tokenizer recipe or the file layout changes: it is part of the
 # cache key, so old entries are simply not found again.
@@ -215,12 +215,30 @@ def read_mixture(cfg: DataConfig) -> list[list[str]]:
     return per_source
 
 
+def _refuse_shared_files(cfg: DataConfig) -> None:
+    """ConfigError when two local sources of the mixture read a file in common (a directory and a glob inside it, a
+    relative and an absolute path: DataConfig compares the paths as written). The same documents would count twice,
+    so the weights would not be those written, and one source's held-out tail would be the other's training text."""
+    owner: dict[str, int] = {}
+    for i, entry in enumerate(cfg.mixture):
+        if entry.corpus is not None:
+            continue
+        for path in source_files(entry):
+            first = owner.setdefault(os.path.realpath(path), i)
+            if first != i:
+                raise ConfigError(f"DataConfig.mixture entries {first} ({cfg.mixture[first].label!r}) and {i} "
+                                  f"({entry.label!r}) both read {path}: the same documents would count twice and one "
+                                  f"source's validation text would be the other's training text; give each file to "
+                                  f"one source (a narrower path or glob)")
+
+
 def prepare_data(cfg: DataConfig) -> PreparedData:
     """Train the tokenizer and tokenize the sources once; later calls return the cached entry.
 
     Takes a few seconds for the default 2M characters per source; prints progress to stderr. Raises
     ConfigError naming the source and the path when a local source is missing, empty or unreadable.
     """
+    _refuse_shared_files(cfg)
     key = cache_key(cfg)
     directory = pathlib.Path(cfg.cache_dir) if cfg.cache_dir is not None else default_cache_dir()
     directory = directory / f"data-{key}"
