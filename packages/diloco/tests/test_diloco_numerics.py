@@ -290,6 +290,31 @@ def test_follow_inner_scales_the_outer_lr_by_the_inner_schedule():
         DiLoCo([torch.nn.Parameter(theta0.clone())], config=config, transport=local_group(1)[0], timeouts=TIMEOUTS)
 
 
+def test_follow_inner_applies_the_last_outer_step_at_the_lr_of_the_inner_steps_that_fed_it():
+    """The factor was taken at the outer step's inner-step count, the step after the ones that fed it: at the run's
+    end, where the inner schedule is over (factor 0), the last outer step moved nothing and every replica went back
+    to the weights before it (review of 2026-12-07). With a constant inner schedule follow_inner is constant."""
+    num_steps, h = 4, 2
+    theta0 = torch.tensor([1.0, -2.0, 0.5, 4.0])
+
+    def constant_then_over(step: int) -> float:  # a LambdaLR's factor of a constant schedule of num_steps steps
+        return 1.0 if step < num_steps else 0.0
+
+    runs = {}
+    for schedule in (OuterLrSchedule.CONSTANT, OuterLrSchedule.FOLLOW_INNER):
+        config = DiLoCoConfig(num_inner_steps=h, outer_lr_schedule=schedule)
+        param = torch.nn.Parameter(theta0.clone())
+        diloco = DiLoCo([param], config=config, transport=local_group(1)[0], timeouts=TIMEOUTS,
+                        lr_factor=constant_then_over)
+        for step in range(num_steps):
+            with torch.no_grad():
+                param.sub_(0.25 * (step + 1))  # an inner step
+            diloco.step()
+        runs[schedule] = (diloco.outer_lr, param.detach().clone())
+    assert runs[OuterLrSchedule.FOLLOW_INNER][0] == 0.7
+    assert torch.equal(runs[OuterLrSchedule.FOLLOW_INNER][1], runs[OuterLrSchedule.CONSTANT][1])
+
+
 def test_pseudo_gradient_on_the_parameters_device_gives_the_host_paths_bits():
     """pseudo_gradient_device=params: delta computed in its own buffer on the parameters' device (here the
     CPU, so no device transfer is exercised; a GPU run is in tools/device_check.sh), summed there, and

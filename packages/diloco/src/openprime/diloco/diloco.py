@@ -71,14 +71,14 @@ class DiLoCo:
                  transport: Transport | None = None, membership: Membership | None = None,
                  codec: Codec | None = None, joining: bool = False, extra: ExtraState | None = None,
                  lr_factor: Callable[[int], float] | None = None) -> None:
-        """`lr_factor`: the inner schedule's lr over its peak after a number of inner steps, for
+        """`lr_factor`: the inner schedule's lr over its peak at an inner step (0-based: a LambdaLR's lambda), for
         outer_lr_schedule=follow_inner. A function of the step, not of this node's scheduler: a joiner learns the
         run's step when it receives the state, in the outer step it applies with the others."""
         if (transport is None) == (membership is None):
             raise ValueError("DiLoCo takes either a transport (a static group) or a membership, not both")
         if config.outer_lr_schedule is OuterLrSchedule.FOLLOW_INNER and lr_factor is None:
             raise ValueError("diloco.outer_lr_schedule=follow_inner needs the inner schedule: pass "
-                             "DiLoCo(..., lr_factor=lambda num_inner_steps_done: ...), e.g. a LambdaLR's "
+                             "DiLoCo(..., lr_factor=lambda inner_step: ...), e.g. a LambdaLR's "
                              "lr_lambdas[0]")
         self._lr_factor = lr_factor if config.outer_lr_schedule is OuterLrSchedule.FOLLOW_INNER else None
         self.config = config
@@ -105,10 +105,12 @@ class DiLoCo:
     @property
     def outer_lr(self) -> float:
         """The outer learning rate of the outer step at `num_inner_steps_done` (every replica computes the same,
-        a joiner once it holds the state and the run's counters, before it applies the step with the others)."""
+        a joiner once it holds the state and the run's counters, before it applies the step with the others).
+        follow_inner: scaled by the inner lr of the last inner step that fed the pseudo-gradient. The factor of the
+        step after it was 0 at the run's end (the schedule's end), and the last outer step was thrown away."""
         if self._lr_factor is None:
             return self.config.outer_lr
-        return self.config.outer_lr * self._lr_factor(self.num_inner_steps_done)
+        return self.config.outer_lr * self._lr_factor(max(self.num_inner_steps_done - 1, 0))
 
     @property
     def has_state(self) -> bool:
