@@ -159,3 +159,15 @@ def test_fake_eight_rank_plan_on_meta():
     # Rank 0 of 8 holds ceil(rows / 8) rows of every parameter.
     assert shapes == [(-(-s[0] // 8), *s[1:]) for s in full]
     assert copy.copy(shapes)  # a plain list of shapes: nothing was allocated
+
+
+def test_a_gpu_node_s_local_group_runs_host_tensor_collectives_over_gloo():
+    """The node's own collectives (local_sum, local_any, the mesh's view broadcasts) are on host tensors: a plain
+    "nccl" group has no backend for them, so every node of several GPUs failed at its first (review of
+    2026-12-07). On GPUs the group maps CPU tensors to Gloo and CUDA tensors to NCCL."""
+    from torch.distributed.distributed_c10d import BackendConfig
+
+    from openprime.fsdp.local import local_backend
+
+    assert BackendConfig(local_backend("cuda")).get_device_backend_map() == {"cpu": "gloo", "cuda": "nccl"}
+    assert local_backend("cpu") == "gloo"

@@ -21,10 +21,17 @@ from openprime.core.distributed import connect_store
 from openprime.core.transport import Rendezvous
 
 
+def local_backend(device_type: str) -> str:
+    """The local group's backend: on GPUs NCCL for CUDA tensors (FSDP2's all-gathers and reduce-scatters) and Gloo
+    for the node's small host-tensor collectives (local_sum, the mesh's view and byte broadcasts). A plain "nccl"
+    group has no backend for CPU tensors: every node of several GPUs failed at its first of those."""
+    return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+
+
 def init_local_mesh(*, rank: int, world_size: int, rendezvous: Rendezvous, timeout_s: float,
                     device_type: str = "cpu") -> DeviceMesh:
     """Join the node's local group (its own prefix of a store the launcher hosts) and return its mesh."""
-    backend = "nccl" if device_type == "cuda" else "gloo"
+    backend = local_backend(device_type)
     dist.init_process_group(backend, store=connect_store(rendezvous, timeout_s), rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))

@@ -39,15 +39,22 @@ def apply_activation_checkpointing(blocks: nn.ModuleDict) -> None:
 
 
 def apply_fsdp(model: nn.Module, blocks: nn.ModuleDict, mesh: DeviceMesh, *, config: FSDPConfig) -> None:
-    """`fully_shard` each block, then the root, over `mesh` (the node's local ranks)."""
+    """`fully_shard` each block, then the root, over `mesh` (the node's local ranks).
+
+    The blocks' inputs are not cast: the activations come in param_dtype already (from the embedding), and the
+    other floating-point inputs, a Llama's RoPE tables, must stay float32 (cast to bf16, neighbouring positions
+    share a cos/sin in the slow channel pairs at long context: errors of 2e-3, found 2026-12-07). The root casts
+    its own inputs (token ids: none are floating-point)."""
     policy = MixedPrecisionPolicy(param_dtype=config.param_dtype.dtype, reduce_dtype=config.reduce_dtype.dtype)
+    block_policy = MixedPrecisionPolicy(param_dtype=config.param_dtype.dtype, reduce_dtype=config.reduce_dtype.dtype,
+                                        cast_forward_inputs=False)
     names = list(blocks.keys())
     for i, name in enumerate(names):
         if config.reshard_after_forward is ReshardPolicy.ALL_BUT_LAST:
             reshard = i < len(names) - 1
         else:
             reshard = config.reshard_after_forward is ReshardPolicy.ALWAYS
-        fully_shard(blocks[name], mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(blocks[name], mesh=mesh, mp_policy=block_policy, reshard_after_forward=reshard)
     # The root's own parameters (embeddings, final norm, output) are gathered at the start of forward and
     # used at its end and in the first backward step: freeing them after forward gains nothing.
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
