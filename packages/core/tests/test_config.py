@@ -9,6 +9,7 @@ from openprime.core.config import (
     config_keys,
     field,
     field_doc,
+    non_negative_float,
     one_of_enum,
     override,
     override_all,
@@ -65,6 +66,25 @@ def test_validators_name_class_and_field():
         Inner(num_steps=2.5)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"Inner.num_steps must be int"):
         Inner(num_steps=True)
+
+
+def test_nan_is_refused_by_every_bound():
+    """`--set optim.weight_decay=nan` passed `value < 0` (False for NaN) and every node died in torch at its start
+    (review of 2026-12-07); each bound is now written so that NaN fails it."""
+
+    @config
+    class Decay:
+        weight_decay: float = field(0.0, doc="weight decay", validator=non_negative_float())
+
+    nan = float("nan")
+    with pytest.raises(ConfigError, match=r"Decay.weight_decay must be >= 0, got nan"):
+        Decay(weight_decay=nan)
+    with pytest.raises(ConfigError, match=r"Inner.lr must be > 0, got nan"):
+        Inner(lr=nan)
+    with pytest.raises(ConfigError, match=r"Inner.momentum must be in \[0.0, 1.0\], got nan"):
+        Inner(momentum=nan)
+    with pytest.raises(ConfigError, match=r"Inner.lr must be > 0, got nan"):
+        override(Outer(), "inner.lr", "nan")
 
 
 def test_override_parses_each_type():

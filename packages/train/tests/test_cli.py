@@ -161,6 +161,14 @@ def test_nodes_must_be_positive(capsys, tmp_path):
     assert "--nodes must be >= 1" in _fails(capsys, tmp_path, DEBUG, "--nodes", "0")
 
 
+def test_more_nodes_than_data_slots_is_refused_before_starting(capsys, tmp_path):
+    """`--nodes 3 --set mesh.max_nodes=2`: the third node was refused as the run was full and the other two waited
+    for it for ever (mesh.sync_timeout_s, 2 hours), saying nothing (review of 2026-12-07)."""
+    err = _fails(capsys, tmp_path, DEBUG, "--nodes", "3", "--set", "mesh.max_nodes=2")
+    assert "--nodes 3 is more than mesh.max_nodes=2, the data slots the run cuts its data into (one a node): add " \
+           "--set mesh.max_nodes=3" in err
+
+
 def test_dry_run_counts_10b_without_allocating(capsys):
     assert main(["run", TEN_B, "--dry-run"]) == 0
     out = capsys.readouterr().out

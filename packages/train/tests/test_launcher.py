@@ -348,6 +348,21 @@ def test_the_launchers_lines_go_to_stderr_when_it_started_without_stdout(monkeyp
     assert err.getvalue() == "continue with this\n"
 
 
+def test_the_commands_printed_at_the_end_of_a_launch_quote_a_run_directory_with_a_space(tmp_path, capsys):
+    """`--run-dir "runs/my run"`: the printed commands cut the path in two when pasted (review of 2026-12-07)."""
+    import shlex
+
+    cfg = recipe_config(ROOT / "recipes" / "debug.py", [])
+    run_dir = tmp_path / "my run"
+    _saved(run_dir / "checkpoints", 20, 0, 1)
+    _print_checkpoints(cfg, run_dir, num_nodes=2, joined=None)
+    out = capsys.readouterr().out
+    resume = out.split("continue with `")[1].split("`")[0]
+    export = out.split("export the model with `")[1].split("`")[0]
+    assert shlex.split(resume)[-4:] == ["--run-dir", str(run_dir), "--resume", "latest"], resume
+    assert shlex.split(export) == ["openprime", "export", str(run_dir), "OUT_DIR"], export
+
+
 def test_the_nodes_a_launch_adds_to_a_resumed_checkpoint_ask_for_slots_no_saved_node_holds(tmp_path):
     """`--nodes 3 --resume latest` of a checkpoint of slots 0 and 2: the third node asked for any slot and could take
     slot 0 before the node resuming it joined (which then read slot 0's data again from the start, its own left

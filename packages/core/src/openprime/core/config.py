@@ -56,7 +56,7 @@ def at_least(lo: float) -> Callable:
     """Validator: value >= lo."""
 
     def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-        if value < lo:
+        if not value >= lo:  # `not >=`: NaN fails it (`value < lo` let NaN through to a traceback at run time)
             raise ConfigError(f"{_where(instance, attribute)} must be >= {lo}, got {value!r}")
 
     return check

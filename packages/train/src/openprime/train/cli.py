@@ -309,6 +309,10 @@ def _main(argv: list[str] | None) -> int:
             overrides.append(f"transport.kind={args.transport}")
         overrides += args.overrides
         cfg = recipe_config(args.recipe, overrides)
+        if args.nodes > cfg.mesh.max_nodes:  # the nodes past the data slots were refused, the others waited for ever
+            raise ConfigError(f"--nodes {args.nodes} is more than mesh.max_nodes={cfg.mesh.max_nodes}, the data slots "
+                              f"the run cuts its data into (one a node): add --set mesh.max_nodes={args.nodes}"
+                              + (" (a resumed run: with --set data.on_layout_change=restart)" if args.resume else ""))
         check_installed(cfg.transport)
         codec_for(cfg.diloco.compression)
         check_secrets(cfg)
@@ -397,7 +401,7 @@ def _nothing_to_train(resume: Checkpoint, num_steps: int, run_dir: pathlib.Path)
     more = f"--set train.num_steps={2 * resume.step} (the schedule's cooldown moves to the new end)"
     if resume.step == num_steps:
         print(f"openprime: the run is complete: {resume.path} is at train.num_steps={num_steps}; to train it further "
-              f"resume with {more}; export it with `openprime export {run_dir} OUT_DIR`", flush=True)
+              f"resume with {more}; export it with `openprime export {shlex.quote(str(run_dir))} OUT_DIR`", flush=True)
         return 0
     print(f"openprime: error: {resume.path} is at inner step {resume.step}, past train.num_steps={num_steps}: there "
           f"is nothing to train. Resume with train.num_steps above {resume.step}, e.g. {more}", file=sys.stderr)

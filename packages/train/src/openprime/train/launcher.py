@@ -16,6 +16,7 @@ import json
 import multiprocessing as mp
 import os
 import pathlib
+import shlex
 import shutil
 import signal
 import sys
@@ -399,7 +400,8 @@ def _print_checkpoints(cfg: RunConfig, run_dir: pathlib.Path, *, num_nodes: int,
         tell(f"  checkpoints: none under {root} finished saving (the errors above say why)")
         return None
     # A launch joined to a standalone coordinator (one machine of several) resumes joined to it again.
-    join = f" --join {joined}" if joined else ""
+    join = f" --join {shlex.quote(joined)}" if joined else ""
+    quoted = shlex.quote(str(run_dir))  # the commands below are pasted into a shell: a path may hold a space
     more = ""
     if saved < cfg.train.num_steps and how_to_continue:
         # `--resume latest` takes the newest step that holds every node of the launch: a node stopped inside an
@@ -407,14 +409,14 @@ def _print_checkpoints(cfg: RunConfig, run_dir: pathlib.Path, *, num_nodes: int,
         resumable = newest_saved(root, num_nodes=num_nodes) if num_nodes > 1 else saved
         if resumable is None:
             more = (f"no checkpoint holds the parts of all {num_nodes} nodes: continue with `openprime run "
-                    f"{recipe_args} --nodes {num_nodes_saved(root, saved)}{join} --run-dir {run_dir} --resume "
+                    f"{recipe_args} --nodes {num_nodes_saved(root, saved)}{join} --run-dir {quoted} --resume "
                     f"latest` (step {saved}; more nodes can join it with --join and take the state from a peer); ")
         else:
             older = f" (from step {resumable}, the newest that holds every node's parts)" if resumable < saved else ""
-            more = (f"continue with `openprime run {recipe_args} --nodes {num_nodes}{join} --run-dir {run_dir} "
+            more = (f"continue with `openprime run {recipe_args} --nodes {num_nodes}{join} --run-dir {quoted} "
                     f"--resume latest`{older}; ")
     unfinished = [step for step in steps if step > saved]
     note = f"; the saves of step(s) {unfinished} did not finish" if unfinished else ""
     tell(f"  checkpoints: {root} (newest: step {saved}{note}); {more}export the model with "
-         f"`openprime export {run_dir} OUT_DIR`")
+         f"`openprime export {quoted} OUT_DIR`")
     return saved
