@@ -97,6 +97,22 @@ def test_a_run_that_saved_no_checkpoint_is_neither_resumed_nor_overwritten(capsy
     assert "already holds a run; continue it with --resume latest" in capsys.readouterr().err
 
 
+def test_a_resume_without_the_checkpoint_directory_the_run_saves_in_names_it(capsys, tmp_path):
+    """A run whose last launch saved elsewhere (`--set checkpoint.directory=X`), resumed without that --set: it was
+    told the run 'saved no checkpoint' and to start it again elsewhere or remove it (review of 2026-12-07)."""
+    from openprime.train.launcher import write_run_files
+
+    run_dir, elsewhere = tmp_path / "run", tmp_path / "else where"
+    cfg = recipe_config(DEBUG, [f"checkpoint.directory={elsewhere}"])
+    write_run_files(run_dir, cfg, recipe=pathlib.Path(DEBUG), recipe_files=[], overrides=[], num_nodes=2)
+    (run_dir / "metrics.jsonl").write_text('{"kind": "start", "node": 0}\n')
+    (elsewhere / "step-00000020").mkdir(parents=True)
+    assert main(["run", DEBUG, "--run-dir", str(run_dir), "--resume", "latest"]) == 2
+    err = capsys.readouterr().err
+    assert f"holds a run that saves its checkpoints in {elsewhere} (checkpoint.directory of its last launch), not " \
+           f"in {run_dir / 'checkpoints'}: add --set checkpoint.directory='{elsewhere}'" in err, err
+
+
 def test_a_launch_joining_a_run_may_share_only_the_live_run_s_directory(capsys, tmp_path, monkeypatch):
     # Found by hand: a `--join` launch into the directory of a finished run appended its records to that run's, and
     # its first checkpoints were pruned at once as older than that run's newest; the hint then named the old run's.

@@ -7,6 +7,7 @@ import pathlib
 import torch
 
 from openprime.ckpt import write_part
+from openprime.core.config import to_dict
 from openprime.train import cli
 from openprime.train.launcher import write_run_files
 from openprime.train.recipe import recipe_config
@@ -70,3 +71,33 @@ def test_status_names_the_launch_running_in_the_directory(tmp_path, capsys):
 def test_status_of_a_directory_without_a_run(tmp_path, capsys):
     assert cli.main(["status", str(tmp_path)]) == 2
     assert f"{tmp_path} holds no run (no config.json)" in capsys.readouterr().err
+
+
+def test_status_and_export_follow_the_newest_launch_s_settings(tmp_path):
+    """A run resumed with `--set checkpoint.directory=ELSEWHERE --set train.num_steps=60` saves its later steps
+    there: status and export read the first launch's config.json only, so status counted 'step 60/40' with the
+    saves 'not finished', and the export the launch printed took the older checkpoint without a word (review of
+    2026-12-07). A `--resume PATH` into a new run directory wrote no config.json at all."""
+    from openprime.train.checkpointing import load_model_weights
+
+    run_dir = _run_dir(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    cfg = recipe_config(DEBUG, ["schedule.num_warmup_steps=5", "schedule.num_decay_steps=10", "train.num_steps=60",
+                               "diloco.num_inner_steps=10", f"checkpoint.directory={elsewhere}"])
+    write_run_files(run_dir, cfg, recipe=DEBUG, recipe_files=[DEBUG], overrides=[], num_nodes=2,
+                    resumed_from=run_dir / "checkpoints" / "step-00000010")
+    assert (run_dir / "config.resumed-1.json").is_file()
+    model = {"model": {"tok_embeddings.weight": torch.ones(2, 2)}, "model_config": to_dict(cfg.model)}
+    for slot in ("slot-0", "slot-1"):
+        write_part(elsewhere, 60, slot, model, parts=["slot-0", "slot-1"])
+    s = run_status(run_dir, now=1080.0)
+    assert (s.num_steps, s.saved) == (60, 60)
+    _, weights, part = load_model_weights(run_dir)
+    assert part.parent == elsewhere / "step-00000060"
+    assert torch.equal(weights["tok_embeddings.weight"], torch.ones(2, 2))
+    # A launch resuming another run's checkpoint into a new directory writes its config.json.
+    fork = tmp_path / "fork"
+    write_run_files(fork, cfg, recipe=DEBUG, recipe_files=[DEBUG], overrides=[], num_nodes=2,
+                    resumed_from=run_dir / "checkpoints" / "step-00000010")
+    assert json.loads((fork / "config.json").read_text())["resumed_from"].endswith("step-00000010")
+    assert (fork / "recipe" / "debug.py").is_file() and run_status(fork).num_steps == 60

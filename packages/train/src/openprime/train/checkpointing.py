@@ -165,6 +165,18 @@ def run_checkpoint_root(run_dir: pathlib.Path, resolved: dict[str, Any]) -> path
     return pathlib.Path(resolved["checkpoint"]["directory"] or run_dir / "checkpoints")
 
 
+def resolved_config(run_dir: pathlib.Path) -> dict[str, Any] | None:
+    """The resolved config (`to_dict` of a RunConfig) of a run directory's newest launch: its last
+    config.resumed-N.json, else its config.json; None when it has neither. A resume may change where the run saves
+    (checkpoint.directory) or its length: status and export read the first launch's config only, and exported an
+    older checkpoint without a word."""
+    resumed = sorted(run_dir.glob("config.resumed-*.json"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
+    for path in [*reversed(resumed), run_dir / "config.json"]:
+        if path.is_file():
+            return json.loads(path.read_text())["config"]
+    return None
+
+
 def node_checkpointer(cfg: CheckpointConfig, run_dir: pathlib.Path, part: str) -> Checkpointer:
     return Checkpointer(checkpoint_root(cfg, run_dir), part=part, mode=cfg.mode, num_keep=cfg.num_keep)
 
@@ -355,8 +367,7 @@ def load_model_weights(source: pathlib.Path) -> tuple[ModelConfig, dict[str, tor
     """
     if (source / "state.json").is_file():
         return _model_weights(source)
-    if (source / "config.json").is_file() and (source / "checkpoints").is_dir():
-        resolved = json.loads((source / "config.json").read_text())["config"]
+    if (resolved := resolved_config(source)) is not None:  # a run directory: where its newest launch saves
         root, steps = run_checkpoint_root(source, resolved), None
     elif STEP_RE.match(source.name) and source.is_dir():
         root, steps = source.parent, [int(STEP_RE.match(source.name).group(1))]

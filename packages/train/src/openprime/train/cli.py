@@ -427,13 +427,20 @@ def _check_run_dir(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Pa
     the directory of the run it joins (one disk for several launches), and no other run's: its nodes' records and
     checkpoints would mix with that run's, and its first saves would be pruned as older than that run's newest.
     Returns the number of this launch's first node (past the nodes of the launch it shares the directory with)."""
-    from openprime.train.checkpointing import checkpoint_root
+    from openprime.train.checkpointing import checkpoint_root, resolved_config, run_checkpoint_root
 
     if args.join and not args.resume:
         return _check_shared_run_dir(cfg, run_dir, args.join, in_use=in_use)
     if args.resume not in (None, "latest") or not (run_dir / METRICS_FILE).exists():
         return 0
-    if not list_steps(checkpoint_root(cfg.checkpoint, run_dir)):
+    root = checkpoint_root(cfg.checkpoint, run_dir)
+    resolved = resolved_config(run_dir)
+    saved_in = run_checkpoint_root(run_dir, resolved) if resolved is not None else root
+    if not list_steps(root) and saved_in != root and list_steps(saved_in):
+        raise ConfigError(f"{run_dir} holds a run that saves its checkpoints in {saved_in} (checkpoint.directory of "
+                          f"its last launch), not in {root}: add "
+                          f"--set checkpoint.directory={shlex.quote(str(saved_in))}")
+    if not list_steps(root):
         raise ConfigError(f"{run_dir} holds a run that saved no checkpoint (it ended before its first one, at inner "
                           f"step {cfg.checkpoint.interval_steps}): there is nothing to resume; start it again in "
                           f"another --run-dir, or remove this one")

@@ -89,16 +89,18 @@ def write_run_files(run_dir: pathlib.Path, cfg: RunConfig, *, recipe: pathlib.Pa
                     overrides: list[str], num_nodes: int, resumed_from: pathlib.Path | None = None) -> None:
     """The resolved config and every recipe source, next to the metrics.
 
-    A resumed launch keeps the first launch's files and adds its own `config.resumed-N.json`.
+    A resumed launch keeps the first launch's files and adds its own `config.resumed-N.json`; one that starts a
+    run directory (`--resume PATH` of another run's checkpoint) writes `config.json`, which status and export read.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     resolved = {"recipe": str(recipe), "overrides": overrides, "num_nodes": num_nodes, "config": to_dict(cfg)}
     name = "config.json"
     if resumed_from is not None:
         resolved["resumed_from"] = str(resumed_from)
-        name = f"config.resumed-{len(list(run_dir.glob('config.resumed-*.json'))) + 1}.json"
+        if (run_dir / name).exists():
+            name = f"config.resumed-{len(list(run_dir.glob('config.resumed-*.json'))) + 1}.json"
     (run_dir / name).write_text(json.dumps(resolved, indent=2) + "\n")
-    sources = run_dir / ("recipe" if resumed_from is None else name.removesuffix(".json").replace("config", "recipe"))
+    sources = run_dir / name.removesuffix(".json").replace("config", "recipe")
     sources.mkdir(exist_ok=True)
     for path in recipe_files:
         shutil.copyfile(path, sources / path.name)

@@ -21,7 +21,7 @@ import attrs
 
 from openprime.ckpt import list_steps
 from openprime.core.errors import ConfigError
-from openprime.train.checkpointing import newest_saved, run_checkpoint_root
+from openprime.train.checkpointing import newest_saved, resolved_config, run_checkpoint_root
 from openprime.train.metrics import METRICS_FILE, read_records, summarize_records
 from openprime.train.run_lock import LOCK_NAME
 
@@ -71,9 +71,9 @@ def _launch(run_dir: pathlib.Path) -> str | None:
 
 def run_status(run_dir: pathlib.Path, *, now: float | None = None) -> RunStatus:
     """What `run_dir` says of its run; ConfigError if it holds none."""
-    if not (run_dir / "config.json").is_file():
+    resolved = resolved_config(run_dir)  # the newest launch's: a resume may move the checkpoints or the end
+    if resolved is None:
         raise ConfigError(f"{run_dir} holds no run (no config.json): give the --run-dir of an `openprime run`")
-    resolved = json.loads((run_dir / "config.json").read_text())["config"]
     records = read_records(run_dir) if (run_dir / METRICS_FILE).exists() else []
     now = time.time() if now is None else now
     summary = summarize_records(records)
