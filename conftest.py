@@ -22,6 +22,7 @@ import pathlib
 from multiprocessing import forkserver
 
 import pytest
+import torch
 
 import openprime
 from openprime.train.entry import FORK_SERVER_PRELOAD
@@ -45,3 +46,7 @@ def pytest_configure(config) -> None:
             f"them) and install the checkout again: pip install -r {ROOT / 'requirements.txt'}")
     mp.set_forkserver_preload(SESSION_PRELOAD)
     forkserver.ensure_running()
+    # One compute thread in the test process, as in every node process: two threads of one process stall for
+    # seconds at the barriers of torch's parallel loops whenever the tests' subprocesses share the 2 cores
+    # (test_restore_after_skip: 2 s alone, 24 s in a CI run of a busy machine).
+    torch.set_num_threads(1)
