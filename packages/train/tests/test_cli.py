@@ -395,6 +395,21 @@ def test_mesh_serve_on_a_port_in_use_is_a_clear_error(capsys):
     assert f"the coordinator cannot listen on 'tcp://127.0.0.1:{port}': Address already in use" in err, err
 
 
+@pytest.mark.parametrize("store_port", ["taken", "70000"])
+def test_mesh_serve_with_a_store_port_it_cannot_take_is_a_clear_error(capsys, store_port):
+    """A --store-port in use, or out of range, ended in a traceback (torch's DistNetworkError, a TypeError)."""
+    from openprime.train.testing import free_port
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1]) if store_port == "taken" else store_port
+        assert main(["mesh", "serve", "--bind", f"tcp://127.0.0.1:{free_port()}", "--store-port", port]) == 2
+    err = capsys.readouterr().err
+    assert f"the coordinator's rendezvous store cannot listen on port {port}: " in err, err
+    assert "give --store-port a free port (0: any free one)" in err and "Traceback" not in err
+
+
 def test_ctrl_c_before_the_nodes_start_exits_130_without_a_traceback(capsys, tmp_path, monkeypatch):
     # Verifying a large checkpoint's checksums, or training the tokenizer, takes minutes before any node starts.
     def interrupted(cfg, **kwargs):

@@ -87,8 +87,17 @@ class Coordinator:
                               f"port (is another coordinator running there?)") from None
         # The rendezvous store where each group of each epoch meets (openprime.core.distributed).
         host = self.address.split("://", 1)[-1].rsplit(":", 1)[0]
-        self._store = host_store("127.0.0.1" if host in ("*", "0.0.0.0") else host, store_port,
-                                 timeout_s=store_timeout_s)
+        try:
+            if not 0 <= store_port <= 65535:
+                raise ValueError(f"port {store_port} is not in 0-65535")
+            self._store = host_store("127.0.0.1" if host in ("*", "0.0.0.0") else host, store_port,
+                                     timeout_s=store_timeout_s)
+        except (RuntimeError, OSError, ValueError) as e:  # torch's DistNetworkError is a RuntimeError
+            self._sock.close(linger=0)
+            self._ctx.term()
+            raise ConfigError(f"the coordinator's rendezvous store cannot listen on port {store_port}: "
+                              f"{str(e).splitlines()[0] if str(e) else type(e).__name__}; give --store-port a free "
+                              f"port (0: any free one)") from None
         self.store = f"{host}:{self._store.port}"
         self.nodes: dict[str, NodeRecord] = {}
         self.slots_held: set[int] = set()  # data slots granted since this coordinator started (see _grant_slot)
