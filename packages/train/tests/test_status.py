@@ -101,3 +101,14 @@ def test_status_and_export_follow_the_newest_launch_s_settings(tmp_path):
                     resumed_from=run_dir / "checkpoints" / "step-00000010")
     assert json.loads((fork / "config.json").read_text())["resumed_from"].endswith("step-00000010")
     assert (fork / "recipe" / "debug.py").is_file() and run_status(fork).num_steps == 60
+
+
+def test_status_names_the_launches_joined_to_a_coordinator_that_share_the_directory(tmp_path, capsys):
+    """Every machine of a run spread over several launches with --join, which holds the run directory shared and
+    writes no record: status said no launch was running while one trained there (review of 2026-12-07)."""
+    run_dir = _run_dir(tmp_path)
+    with RunDirLock(run_dir, shared=True):
+        assert cli.main(["status", str(run_dir)]) == 0
+        out = capsys.readouterr().out
+        assert f": running here (pid {os.getpid()}, joined to a coordinator: " in out, out
+    assert run_status(run_dir).launch is None  # released

@@ -52,14 +52,41 @@ class RunStatus:
     unfinished: list[int]  # checkpoint steps after it that were begun (records, directories) but not finished
 
 
+def shared_holders(lock: pathlib.Path) -> list[int]:
+    """The pids of this machine's processes that hold `lock` shared (launches joined to a coordinator, `--join`,
+    which write no record: several may), from Linux's /proc/locks; [] where it cannot tell."""
+    try:
+        st = lock.stat()
+        table = pathlib.Path("/proc/locks").read_text()
+    except OSError:
+        return []
+    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    pids = []
+    for line in table.splitlines():  # e.g. "1: FLOCK  ADVISORY  READ 16265 fe:00:2146774 0 EOF"
+        fields = line.split()
+        if len(fields) >= 6 and "->" not in fields and fields[1] == "FLOCK" and fields[3] == "READ" \
+                and fields[5] == key:
+            pids.append(int(fields[4]))
+    return sorted(pids)
+
+
+def _command(pid: int) -> str:
+    try:
+        return " ".join(pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")).strip()
+    except OSError:
+        return "?"
+
+
 def _launch(run_dir: pathlib.Path) -> str | None:
-    """This machine's launch that holds the run directory, from the lock's record (written only while held)."""
+    """This machine's launch that holds the run directory, from the lock's record (written only while held), or
+    the launches that hold it shared (`--join`: every machine of a run spread over several); None if none does."""
     try:
         holder = json.loads((run_dir / LOCK_NAME).read_text())
     except (OSError, ValueError):
-        return None
+        holder = {}
     if holder.get("host") != socket.gethostname():
-        return None
+        joined = shared_holders(run_dir / LOCK_NAME)
+        return "; ".join(f"pid {pid}, joined to a coordinator: {_command(pid)}" for pid in joined) or None
     try:
         os.kill(int(holder["pid"]), 0)
     except ProcessLookupError:
