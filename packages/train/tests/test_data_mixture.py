@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import itertools
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -310,6 +311,12 @@ def test_cache_key_follows_the_files_not_the_weights(corpus, cfg, tmp_path):
     small = attrs.evolve(cfg, mixture=(entry,))
     before = cache_key(small)
     (copy / "extra.txt").write_text("a new document")
+    assert cache_key(small) != before
+    # An edit that keeps the size (a typo fixed) is seen too: it was served the old tokens (review of 2026-12-07).
+    before = cache_key(small)
+    edited = copy / "extra.txt"
+    edited.write_text("a New document")
+    os.utime(edited, ns=(edited.stat().st_atime_ns, edited.stat().st_mtime_ns + 1_000_000))  # a later edit
     assert cache_key(small) != before
 
 

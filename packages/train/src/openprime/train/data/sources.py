@@ -239,12 +239,12 @@ def read_documents(source: WeightedSource | Source, max_chars: int) -> list[str]
 
 
 def source_fingerprint(entry: WeightedSource) -> list[list[str | int]]:
-    """[path, size] of every file of a local source: part of the cache key, so new or grown files are seen.
-
-    Sizes rather than modification times: nodes on other machines that downloaded the same files must
-    find the same cache key.
+    """[path, size, mtime in ns] of every file of a local source: part of the cache key, so new, grown or edited
+    files are seen. The modification time too: an edit that kept a file's size (a typo fixed) was served the old
+    tokens (until 2026-12-07). Machines whose copies have other times prepare entries of their own; what nodes
+    compare across machines is the streams' SHA-256 (run terms), which agree when the files do.
     """
-    return [[str(path), path.stat().st_size] for path in source_files(entry)]
+    return [[str(path), (st := path.stat()).st_size, st.st_mtime_ns] for path in source_files(entry)]
 
 
 __all__ = ["SUPPORTED", "cpython_documents", "describe", "documents", "kjv_documents", "local_documents",
