@@ -100,3 +100,23 @@ def test_a_receive_posted_after_the_mailbox_failed_all_fails_at_once():
     with pytest.raises(PeerFailure, match="transport is closed"):
         recv.wait()
     assert time.monotonic() - start < 1.0
+
+
+def test_a_chunk_of_an_old_connection_read_across_its_peer_s_reset_is_dropped():
+    """A chunk that arrived before its receive, still being read when its peer reconnected (sequence numbers restart
+    at 0): the reset dropped it, and its delivery then raised ValueError in the connection's thread, or filled a
+    receive of the new connection that had the same (tag, seq) with the old connection's bytes."""
+    mailbox = Mailbox(max_unexpected_bytes=1 << 20)
+    header = FrameHeader(tag=TAG, seq=0, sizes=(16,), offset=0, length=16)
+    token, region = mailbox.target(PEER, header, framed=48)  # no receive posted yet: kept aside
+    mailbox.peer_reset(PEER)  # the peer reconnected as a new generation
+    fresh = torch.zeros(4)
+    recv = mailbox.post(PEER, TAG, [fresh], time.monotonic() + 0.2)  # the new connection's message 0
+    region.copy_(torch.full((4,), 7.0).view(torch.uint8))
+    mailbox.delivered(PEER, header, token, framed=48)  # the old chunk's read ends now: no error
+    assert torch.equal(fresh, torch.zeros(4)) and not recv.done
+    new_token, new_region = mailbox.target(PEER, header, framed=48)  # the new connection's chunk fills it
+    new_region.copy_(torch.ones(4).view(torch.uint8))
+    mailbox.delivered(PEER, header, new_token, framed=48)
+    recv.wait()
+    assert torch.equal(fresh, torch.ones(4))

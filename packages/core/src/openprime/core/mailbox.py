@@ -191,6 +191,11 @@ class Mailbox:
                 return
             if isinstance(token, _Unexpected):
                 key = (peer, header.tag, header.seq)
+                if token not in self._unexpected.get(key, ()):
+                    # Dropped while it was read (its peer reconnected: sequence numbers restarted, or the transport
+                    # closed). It raised ValueError in the connection's thread, or filled a receive of the new
+                    # connections that had the same (tag, seq) with the old one's bytes.
+                    return
                 recv = self._posted.get(key)
                 if recv is None:
                     token.filled = True
