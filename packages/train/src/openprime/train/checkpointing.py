@@ -214,18 +214,20 @@ def data_layout_changes(saved: dict[str, Any], current: dict[str, Any], *, where
     settings = {DATA_LAYOUT_SETTINGS[key]: values for key, values in changes.items() if key in DATA_LAYOUT_SETTINGS}
     said = [f"{name} {now} (saved: {was})" for name, (was, now) in settings.items()]
     restore = [f"--set {name}={was}" for name, (was, _) in settings.items()]
-    if "tokens" in changes and not settings:  # (the streams are cut by train.seq_len and mesh.max_nodes)
-        was, now = changes["tokens"]
-        if len(was) != len(now):
-            said.append(f"{len(now)} data sources (saved: {len(was)})")
+    # Other data under the same settings (the streams and their sequences per source follow train.seq_len and
+    # mesh.max_nodes, so a change of those is said as that).
+    if not settings and ("tokens" in changes or "rows" in changes):
+        if "tokens" in changes:
+            was, now = changes["tokens"]
+            if len(was) != len(now):
+                said.append(f"{len(now)} data sources (saved: {len(was)})")
+            else:
+                differ = [i for i, (a, b) in enumerate(zip(was, now, strict=True)) if a != b]
+                said.append(f"the token stream of data.mixture source(s) {differ} (SHA-256 {now[differ[0]][:12]}, "
+                            f"saved: {was[differ[0]][:12]})")
         else:
-            differ = [i for i, (a, b) in enumerate(zip(was, now, strict=True)) if a != b]
-            said.append(f"the token stream of data.mixture source(s) {differ} (SHA-256 {now[differ[0]][:12]}, "
-                        f"saved: {was[differ[0]][:12]})")
-    elif "rows" in changes and not settings:  # (the sequences per source follow train.seq_len and mesh.max_nodes)
-        was, now = changes["rows"]
-        said.append(f"sequences per source in data slot {current.get('slot', '?')} {now} (saved: {was})")
-    if ("tokens" in changes or "rows" in changes) and not settings:
+            was, now = changes["rows"]
+            said.append(f"sequences per source in data slot {current.get('slot', '?')} {now} (saved: {was})")
         restore.append("the data it was saved with (the same files and data.mixture, data.max_chars_per_source, "
                        "data.val_fraction and data.vocab_size)")
     if not said or on_change is LayoutChange.RESTART:

@@ -211,10 +211,15 @@ class RunConfig:
                               f"must be a whole number of micro-batches (e.g. train.micro_batch_size=1)")
 
     @property
+    def forward_batch_size(self) -> int:
+        """Sequences in one forward on one local rank: train.micro_batch_size, or the rank's whole share when it
+        is 0."""
+        return self.train.micro_batch_size or self.train.batch_size // self.fsdp.num_local_ranks
+
+    @property
     def num_micro_batches(self) -> int:
         """Forward-backward passes per local rank per inner step (gradient accumulation)."""
-        share = self.train.batch_size // self.fsdp.num_local_ranks
-        return share // self.train.micro_batch_size if self.train.micro_batch_size else 1
+        return self.train.batch_size // self.fsdp.num_local_ranks // self.forward_batch_size
 
     @property
     def local_group_timeout_s(self) -> float:

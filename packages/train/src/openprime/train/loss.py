@@ -70,16 +70,6 @@ def loss_with_max_z(logits_BLV: torch.Tensor, targets_BL: torch.Tensor, z_loss_w
     return LossParts(ce + z, ce, z)
 
 
-__all__ = [
-    "IGNORE_INDEX",
-    "INTELLECT1_Z_LOSS_WEIGHT",
-    "LossParts",
-    "cross_entropy_loss",
-    "loss_with_max_z",
-    "max_z_loss",
-]
-
-
 @torch.no_grad()
 def validation_loss(model: Callable[[torch.Tensor], torch.Tensor], batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
                     *, micro_batch_size: int, device: torch.device | str = "cpu") -> float:
@@ -94,3 +84,15 @@ def validation_loss(model: Callable[[torch.Tensor], torch.Tensor], batches: Sequ
             total += cross_entropy_loss(logits_bLV, targets_bL.to(device)).item() * len(inputs_bL)
             num_sequences += len(inputs_bL)
     return total / num_sequences
+
+
+__all__ = [
+    "IGNORE_INDEX",
+    "INTELLECT1_Z_LOSS_WEIGHT",
+    "LossParts",
+    "cross_entropy_loss",
+    "loss_with_max_z",
+    "max_z_loss",
+    "validation_loss",
+]
+

@@ -160,7 +160,7 @@ def plan_run(cfg: RunConfig, *, num_nodes: int, bandwidth_bps: float, gpus_per_n
         num_inner_steps=h, compression=cfg.diloco.compression, num_params=p,
         compute_dtype=compute_dtype(cfg),
         activation_checkpointing=cfg.fsdp.activation_checkpointing is ActivationCheckpointing.FULL,
-        micro_batch_size=activation_batch(cfg), **memory,
+        micro_batch_size=cfg.forward_batch_size, **memory,
         gpu_bytes=sum(memory.values()), fits=sum(memory.values()) <= device.memory_bytes,
         # DiLoCo's host state (openprime.diloco.outer.OuterState): fp32 global weights, outer momentum
         # and pseudo-gradient, 12 bytes per parameter; sharded over the local ranks, the same per node.
@@ -200,11 +200,6 @@ def compute_dtype(cfg: RunConfig) -> Precision:
     return cfg.fsdp.param_dtype if cfg.fsdp.sharded else Precision.FP32
 
 
-def activation_batch(cfg: RunConfig) -> int:
-    """Sequences in one forward on one GPU: the micro-batch, or the rank's whole share when it is 0."""
-    return cfg.train.micro_batch_size or cfg.train.batch_size // cfg.fsdp.num_local_ranks
-
-
 def gpu_memory(cfg: RunConfig) -> dict[str, float]:
     """Bytes of one GPU under the run's FSDP config (local ranks, param dtype, activation checkpointing)."""
     m, seq_len, gpus = cfg.model, cfg.train.seq_len, cfg.fsdp.num_local_ranks
@@ -236,7 +231,7 @@ def gpu_memory(cfg: RunConfig) -> dict[str, float]:
     # auto) lives there during the outer step: 4 bytes per parameter share, allocated after the inner steps'
     # activations and gathered units are freed, which together with the gradients are larger.
     return {"weights_bytes": FP32 * p / gpus, "grads_bytes": FP32 * p / gpus, "optimizer_bytes": 2 * FP32 * p / gpus,
-            "gathered_bytes": gathered, "activations_bytes": activation_batch(cfg) * per_sequence}
+            "gathered_bytes": gathered, "activations_bytes": cfg.forward_batch_size * per_sequence}
 
 
 def gpu_bytes(cfg: RunConfig) -> float:
@@ -275,7 +270,7 @@ def _remedies(cfg: RunConfig, device: GPU) -> str:
     full_ac = attrs.evolve(cfg, fsdp=attrs.evolve(cfg.fsdp, activation_checkpointing=ActivationCheckpointing.FULL))
     if cfg.fsdp.activation_checkpointing is ActivationCheckpointing.NONE:
         changes.append(f"activation checkpointing: --set fsdp.activation_checkpointing=full ({need(full_ac)})")
-    if activation_batch(cfg) > 1:
+    if cfg.forward_batch_size > 1:
         changes.append(f"a smaller micro-batch: --set train.micro_batch_size=1 "
                        f"({need(with_node(cfg, micro_batch_size=1))})")
     if ranks is None:  # no number of ranks alone: all the changes together

@@ -330,8 +330,8 @@ class Node:
             self._eval_batches = list(validation_batches(prepared, self.cfg.data, seq_len=self.cfg.train.seq_len,
                                                          batch_size=eval_batch_size,
                                                          num_batches=self.cfg.train.num_eval_batches))
-        micro = self.cfg.train.micro_batch_size or self.cfg.train.batch_size // self.cfg.fsdp.num_local_ranks
-        return validation_loss(self.model, self._eval_batches, micro_batch_size=micro, device=self.device)
+        return validation_loss(self.model, self._eval_batches, micro_batch_size=self.cfg.forward_batch_size,
+                               device=self.device)
 
     def tokens(self, step: int) -> int:
         """The tokens per node trained by the end of inner step `step`."""
