@@ -235,14 +235,13 @@ def part_info(path: pathlib.Path) -> dict[str, Any]:
             "state": meta["state"]}
 
 
-def _check_one_save(path: pathlib.Path, parts: Sequence[str]) -> None:
-    """CorruptCheckpoint if two of these parts of one group hold different states (their fingerprints differ): the
+def _check_one_save(path: pathlib.Path, fingerprints: Mapping[str, Fingerprint | None]) -> None:
+    """CorruptCheckpoint if two parts of one group hold different states (their fingerprints, by part, differ): the
     step mixes two saves of it. A run resumed from an older step saves the later steps again, part by part, over
     its earlier timeline's; one of those saves cut short (a kill, a full disk) leaves a step whose every part
     verifies, that resumed into replicas that differ (ReplicaDivergence at the first outer step, each time)."""
     seen: dict[str, tuple[str, str]] = {}
-    for part in parts:
-        fingerprint = part_info(path / part)["fingerprint"]
+    for part, fingerprint in fingerprints.items():
         if fingerprint is None:
             continue
         first = seen.setdefault(fingerprint.group, (part, fingerprint.digest))
@@ -273,23 +272,26 @@ def verify_step(root: pathlib.Path, step: int, *, checksums: bool = True,
     if checksums:
         _say_checking(path, present)
     if enough is not None:
-        good, named, problems = [], set(), []
+        good: dict[str, Fingerprint | None] = {}
+        named, problems = set(), []
         for part in present:
             try:
                 verify_manifest(path / part, checksums=checksums)
-                named.update(part_info(path / part)["parts"])
+                info = part_info(path / part)
             except (CorruptCheckpoint, OSError, ValueError, KeyError) as e:
                 problems.append(str(e))
                 log.warning("leaving part %s of checkpoint step %d out: %s", part, step, e)
                 continue
-            good.append(part)
+            named.update(info["parts"])
+            good[part] = info["fingerprint"]
         why = enough(tuple(good), tuple(sorted(named)))
         if why is not None:
             raise IncompleteCheckpoint(path, why + "".join(f"; {p}" for p in problems))
         _check_one_save(path, good)
         return Checkpoint(step=step, path=path, parts=tuple(good), verified=checksums)
     verify_manifest(path / present[0], checksums=checksums)
-    parts = part_info(path / present[0])["parts"]
+    first = part_info(path / present[0])
+    parts = first["parts"]
     missing = [p for p in parts if p not in present]
     if missing:
         raise CorruptCheckpoint(path, f"part {missing[0]} of {list(parts)} is missing (that node did not finish "
@@ -297,7 +299,8 @@ def verify_step(root: pathlib.Path, step: int, *, checksums: bool = True,
     for part in parts:
         if part != present[0]:
             verify_manifest(path / part, checksums=checksums)
-    _check_one_save(path, parts)
+    _check_one_save(path, {part: (first if part == present[0] else part_info(path / part))["fingerprint"]
+                           for part in parts})
     return Checkpoint(step=step, path=path, parts=tuple(parts), verified=checksums)
 
 

@@ -37,7 +37,7 @@ from openprime.core.config import override_all, split_overrides
 from openprime.core.errors import ConfigError, OpenPrimeError
 from openprime.mesh import Coordinator, MeshConfig
 from openprime.train.config import RunConfig, TransportKind
-from openprime.train.data import prepare_data
+from openprime.train.data import PreparedData, prepare_data
 from openprime.train.hardware import check_hardware
 from openprime.train.metrics import METRICS_FILE, records_of_kind
 from openprime.train.model import Llama, count_parameters
@@ -242,7 +242,7 @@ def dry_run(cfg: RunConfig, num_nodes: int) -> None:
           f"{cfg.model.num_heads} heads, {cfg.model.num_kv_heads} KV heads, FFN {cfg.model.ffn_hidden_dim}, "
           f"vocab {cfg.model.vocab_size}; embeddings + output {2 * embed:,}")
     ranks, fsdp = shards.num_local_ranks, cfg.fsdp
-    train = (f"micro-batch {planner.activation_batch(cfg)} x "
+    train = (f"micro-batch {cfg.forward_batch_size} x "
              f"{cfg.num_micro_batches} accumulated per rank per inner step, activation checkpointing "
              f"{fsdp.activation_checkpointing.value}")
     if shards.num_units:
@@ -322,7 +322,7 @@ def _main(argv: list[str] | None) -> int:
         check_hardware(cfg, num_nodes=args.nodes)  # on CUDA: GPUs for the local ranks, large enough for the nodes
         # The tokenizer and the token streams (cached): a missing dataset or an unwritable cache is said here,
         # before a run directory is made (it was a traceback out of the launch).
-        prepare_data(cfg.data)
+        prepared = prepare_data(cfg.data)
     except ConfigError as e:
         return _error(str(e))
 
@@ -342,7 +342,7 @@ def _main(argv: list[str] | None) -> int:
     else:
         in_use = False
     with lock:
-        return _start(args, cfg, run_dir, overrides, in_use=in_use)
+        return _start(args, cfg, run_dir, overrides, prepared, in_use=in_use)
 
 
 def check_secrets(cfg: RunConfig) -> None:
@@ -358,8 +358,8 @@ def _unwritable(run_dir: pathlib.Path, e: OSError) -> int:
                   f"another with --run-dir")
 
 
-def _start(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path, overrides: list[str], *,
-           in_use: bool) -> int:
+def _start(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path, overrides: list[str],
+           prepared: PreparedData, *, in_use: bool) -> int:
     """The launch, once it holds its run directory (or, `in_use`, joins the run of the launch that holds it): the
     directory and the checkpoint checked, the run's files written, the nodes started and waited for."""
     from openprime.train.launcher import launch, write_run_files
@@ -368,7 +368,7 @@ def _start(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path, over
     try:
         first_node = _check_run_dir(args, cfg, run_dir, in_use=in_use)
         if args.resume:
-            resume = _resume_from(args, cfg, run_dir)
+            resume = _resume_from(args, cfg, run_dir, prepared)
             if resume.step >= cfg.train.num_steps:
                 return _nothing_to_train(resume, cfg.train.num_steps, run_dir)
     except OpenPrimeError as e:
@@ -477,7 +477,8 @@ def _check_shared_run_dir(cfg: RunConfig, run_dir: pathlib.Path, coordinator: st
     return 1 + max(int(r.get("node", 0)) for r in starts)
 
 
-def _resume_from(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path) -> Checkpoint:
+def _resume_from(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path,
+                 prepared: PreparedData) -> Checkpoint:
     """The checkpoint that `--resume` names, checked against the nodes asked for."""
     from openprime.train.checkpointing import checkpoint_root, data_layout_changes, find_checkpoint, parts_by_node
 
@@ -504,10 +505,10 @@ def _resume_from(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path
                 for name, t in model.state_dict().items()}
     first_part = found.part(nodes[0][0])
     check_compatible(first_part, {"model": expected})
-    # The data layout's settings and token streams (prepared, so cached), before any node starts (each node checks
+    # The data layout's settings and token streams (prepared above), before any node starts (each node checks
     # its sequences per source as it loads).
     layout = {"seed": cfg.data.seed, "seq_len": cfg.train.seq_len, "num_slots": cfg.mesh.max_nodes,
-              "tokens": [source.tokens_sha256 for source in prepare_data(cfg.data).sources]}
+              "tokens": [source.tokens_sha256 for source in prepared.sources]}
     changes = data_layout_changes(part_info(first_part)["state"]["data"], layout,
                                   where=f"checkpoint {found.path}", on_change=cfg.data.on_layout_change)
     if changes:

@@ -32,7 +32,7 @@ import numpy as np
 
 from openprime.core.errors import ConfigError
 from openprime.train.data.config import DataConfig, Source, Split, WeightedSource
-from openprime.train.data.sources import read_documents, source_files, source_fingerprint
+from openprime.train.data.sources import read_documents, source_fingerprint
 
 # Bump when the text extraction, the tokenizer recipe or the file layout changes: it is part of the
 # cache key, so old entries are simply not found again.
@@ -128,24 +128,27 @@ def default_cache_dir() -> pathlib.Path:
     return pathlib.Path(os.environ.get("OPENPRIME_CACHE") or pathlib.Path.home() / ".cache" / "openprime")
 
 
-def _source_key(entry: WeightedSource) -> dict[str, Any]:
+def _source_key(entry: WeightedSource, fingerprint: list[list[str | int]] | None) -> dict[str, Any]:
     corpus = entry.corpus
     if corpus is Source.CPYTHON:  # the standard library differs between Python versions
         return {"corpus": corpus.value, "python": ".".join(platform.python_version_tuple()[:2])}
     if corpus is not None:
         return {"corpus": corpus.value}
-    files = json.dumps(source_fingerprint(entry)).encode()
+    files = json.dumps(fingerprint).encode()
     return {"path": entry.spec, "text_field": entry.text_field, "files": hashlib.sha256(files).hexdigest()}
 
 
 def cache_key(cfg: DataConfig) -> str:
     """Hash of everything that determines the tokenizer and the streams (not weights, names, seed, val_fraction).
 
-    Raises ConfigError if a local source is missing or empty (it lists the files to hash them).
+    Raises ConfigError if a local source is missing or empty, or if two read a file in common (it lists the files
+    to hash them).
     """
+    fingerprints = {i: source_fingerprint(entry) for i, entry in enumerate(cfg.mixture) if entry.corpus is None}
+    _refuse_shared_files(cfg, fingerprints)
     parts: dict[str, Any] = {
         "format": FORMAT_VERSION,
-        "sources": [_source_key(entry) for entry in cfg.mixture],
+        "sources": [_source_key(entry, fingerprints.get(i)) for i, entry in enumerate(cfg.mixture)],
         "vocab_size": cfg.vocab_size,
         "max_chars_per_source": cfg.max_chars_per_source,
     }
@@ -215,21 +218,20 @@ def read_mixture(cfg: DataConfig) -> list[list[str]]:
     return per_source
 
 
-def _refuse_shared_files(cfg: DataConfig) -> None:
+def _refuse_shared_files(cfg: DataConfig, fingerprints: dict[int, list[list[str | int]]]) -> None:
     """ConfigError when two local sources of the mixture read a file in common (a directory and a glob inside it, a
     relative and an absolute path: DataConfig compares the paths as written). The same documents would count twice,
-    so the weights would not be those written, and one source's held-out tail would be the other's training text."""
+    so the weights would not be those written, and one source's held-out tail would be the other's training text.
+    `fingerprints`: the local sources' `source_fingerprint`s by mixture index (their files are listed once)."""
     owner: dict[str, int] = {}
-    for i, entry in enumerate(cfg.mixture):
-        if entry.corpus is not None:
-            continue
-        for path in source_files(entry):
+    for i, fingerprint in fingerprints.items():
+        for path, *_ in fingerprint:
             first = owner.setdefault(os.path.realpath(path), i)
             if first != i:
                 raise ConfigError(f"DataConfig.mixture entries {first} ({cfg.mixture[first].label!r}) and {i} "
-                                  f"({entry.label!r}) both read {path}: the same documents would count twice and one "
-                                  f"source's validation text would be the other's training text; give each file to "
-                                  f"one source (a narrower path or glob)")
+                                  f"({cfg.mixture[i].label!r}) both read {path}: the same documents would count twice "
+                                  f"and one source's validation text would be the other's training text; give each "
+                                  f"file to one source (a narrower path or glob)")
 
 
 def prepare_data(cfg: DataConfig) -> PreparedData:
@@ -238,7 +240,6 @@ def prepare_data(cfg: DataConfig) -> PreparedData:
     Takes a few seconds for the default 2M characters per source; prints progress to stderr. Raises
     ConfigError naming the source and the path when a local source is missing, empty or unreadable.
     """
-    _refuse_shared_files(cfg)
     key = cache_key(cfg)
     directory = pathlib.Path(cfg.cache_dir) if cfg.cache_dir is not None else default_cache_dir()
     directory = directory / f"data-{key}"
