@@ -361,3 +361,25 @@ def test_where_the_pseudo_gradient_is_computed(where, codec, device, expected):
 
     got = _delta_device(where, torch.device(device), codec())
     assert (got.type if got is not None else None) == expected
+
+
+def test_an_outer_steps_result_counts_every_byte_its_transport_moved_and_the_wait_for_a_background_send():
+    # The hashes' comparison after the commit moves bytes too: they were left out of bytes_sent/received
+    # (2026-12-07), and the wait for a non-blocking donor's background send was left out of total_s.
+    transports = local_group(2)
+    dilocos = [DiLoCo([torch.nn.Parameter(torch.zeros(1000))], config=DiLoCoConfig(num_inner_steps=1), transport=t,
+                      timeouts=TIMEOUTS) for t in transports]
+    before = [(t.bytes_sent, t.bytes_received) for t in transports]
+    results = run_threads([d.sync for d in dilocos])
+    for t, (sent0, received0), r in zip(transports, before, results, strict=True):
+        assert (r.bytes_sent, r.bytes_received) == (t.bytes_sent - sent0, t.bytes_received - received0)
+        assert r.bytes_sent > 1000 // 2 * 4  # the ring's 2(n-1)/n of 1000 fp32 values, and more
+    (alone,) = _workers(1, torch.zeros(8), DiLoCoConfig(num_inner_steps=1))[1]
+
+    def background_send_ends_later():
+        import time
+        time.sleep(0.3)
+        return 0
+
+    alone.recovery.finish_background = background_send_ends_later
+    assert alone.sync().total_s >= 0.3

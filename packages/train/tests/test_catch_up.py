@@ -155,7 +155,8 @@ def test_a_node_evicted_and_rejoined_asks_for_its_slot_and_goes_on_with_its_data
             pass
 
         def sync(self, *, contribute):
-            return types.SimpleNamespace(bytes_sent=0, bytes_received=0, received_state=True)
+            return types.SimpleNamespace(bytes_sent=0, bytes_received=0, received_state=True, total_s=0.0,
+                                         all_reduce_s=0.0)
 
     monkeypatch.setattr(trainer, "join_mesh", join_mesh)
     monkeypatch.setattr(trainer, "follow_schedule", lambda sched, step: None)
@@ -173,3 +174,35 @@ def test_a_node_evicted_and_rejoined_asks_for_its_slot_and_goes_on_with_its_data
     granted = [2]
     node.catch_up(rejoin=True)
     assert asked == [1, 1] and node.batches.slot == 2 and node.batches.batch == 0  # another slot: from its start
+
+
+def test_catching_up_over_several_outer_steps_counts_the_time_and_bytes_of_each():
+    """A non-blocking joiner waits one outer step for the state, a second that it finishes, and sits out a third:
+    its one record holds all three's seconds and bytes. It held the last one's seconds only, so its compute
+    utilisation counted the transfer as training (0.7 where it was 0.1)."""
+    from openprime.diloco import OuterStepResult
+
+    def result(outer_step, received):
+        return OuterStepResult(outer_step=outer_step, num_contributors=1, num_members=2, num_tries=1, skipped=False,
+                               received_state=received, contributed=False, state_hash="h", bytes_sent=100,
+                               bytes_received=1000 * received, all_reduce_s=2.0, total_s=30.0)
+
+    class Joining:
+        has_state, behind = False, True
+
+        def __init__(self):
+            self.results = iter([result(3, False), result(4, True)])
+
+        def sync(self, *, contribute):
+            r = next(self.results)
+            self.has_state = r.received_state
+            return r
+
+        def sit_out(self):
+            return result(5, False)
+
+    cfg = types.SimpleNamespace(mesh=types.SimpleNamespace(num_join_tries=1))
+    mesh = types.SimpleNamespace(node_id="node-1", local_rank=0)
+    _, r = trainer.catch_up(cfg, "", Joining(), mesh, rejoin=False, local_mesh=None)
+    assert (r.outer_step, r.received_state) == (5, True)
+    assert (r.total_s, r.all_reduce_s, r.bytes_sent, r.bytes_received) == (90.0, 6.0, 300, 1000)

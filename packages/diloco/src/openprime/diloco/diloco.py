@@ -182,9 +182,10 @@ class DiLoCo:
 
     def sync(self, *, contribute: bool = True) -> OuterStepResult:
         """Run one outer step now. With `contribute=False` this node sends a zero pseudo-gradient."""
-        # A non-blocking joiner's state, sent in the background since the last commit, counts in this outer step.
-        sent, received = self.recovery.finish_background(), 0
+        # A non-blocking joiner's state, sent in the background since the last commit, counts in this outer step:
+        # its bytes, and the wait for the send to end (network time, not compute).
         start = time.monotonic()
+        sent, received = self.recovery.finish_background(), 0
         step, attempt = self.num_outer_steps_done, 0
         self._received_state = False
         self._contributed = False
@@ -218,7 +219,9 @@ class DiLoCo:
         if self.has_state:
             self.state.copy_to_params()
         self.num_outer_steps_done = step + 1
-        self._last_hash = self._verify(t)
+        sent0, received0 = t.bytes_sent, t.bytes_received
+        self._last_hash = self._verify(t)  # the hashes' all-gather: bytes of this outer step too
+        sent, received = sent + t.bytes_sent - sent0, received + t.bytes_received - received0
         received_before = self.recovery.bytes_received
         self._after_commit(rnd)  # a non-blocking joiner receives the state here
         received += self.recovery.bytes_received - received_before

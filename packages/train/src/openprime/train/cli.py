@@ -91,7 +91,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="bandwidth of each node to its ring neighbour, e.g. 1.6gbit, 500mbit, 100MB/s")
     plan.add_argument("--gpus-per-node", type=int, default=None,
                       help="GPUs per node, FSDP inside it (default: the recipe's fsdp.num_local_ranks)")
-    plan.add_argument("--gpu", default="h100", help="h100, h200 or a100 (default h100)")
+    plan.add_argument("--gpu", default="h100", help="h100, h100-pcie, h200 or a100 (default h100)")
     plan.add_argument("--mfu", type=float, default=None,
                       help="MFU of the inner steps as a fraction (default 0.433, the paper's without communication)")
     plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",

@@ -69,7 +69,8 @@ class MetricsConfig:
     """What a run measures beyond the loss: utilisation of the devices and of the wall time."""
 
     peak_flops: float = field(0.0, doc="peak FLOP/s of one device, the denominator of MFU (0: the GPU's from the "
-                                       "planner's table; no MFU on CPU)", validator=non_negative_float())
+                                       "planner's table; no MFU on CPU or a GPU not in it)",
+                              validator=non_negative_float())
     tensorboard: TensorBoard = field(TensorBoard.AUTO, doc="also write TensorBoard events (auto: if installed)",
                                      validator=one_of_enum(TensorBoard))
 

@@ -12,6 +12,7 @@ block b that the launcher gives it, and nodes past the machine's GPUs share bloc
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -20,6 +21,8 @@ from openprime.core.errors import ConfigError
 from openprime.fsdp import FSDPConfig
 from openprime.train.config import RunConfig
 from openprime.train.planner import GPU, GPUS, GiB, check_fits, gpu_bytes
+
+log = logging.getLogger("openprime.train")
 
 
 def detect_device_type() -> str:
@@ -30,16 +33,30 @@ def detect_device_type() -> str:
 def visible_gpu(num_devices: int = 1) -> GPU:
     """The smallest of the first `num_devices` visible CUDA devices, as the planner describes a GPU.
 
-    Its memory is what the device reports; its peak FLOP/s is the planner's for a known model (H100,
-    H200, A100) and an H100's otherwise (only step-time estimates use it).
+    Its memory is what the device reports; its peak FLOP/s is the planner's for a known model (`GPUS`: H100 SXM
+    and PCIe, H200, A100) and 0 otherwise (unknown: `mfu_peak_flops` then reports no MFU, and the planner's
+    memory checks do not need it).
     """
     count = min(num_devices, torch.cuda.device_count())
     if count < 1:
         raise ConfigError("no CUDA device is visible")
     props = min((torch.cuda.get_device_properties(i) for i in range(count)), key=lambda p: p.total_memory)
-    known = next((gpu for key, gpu in GPUS.items() if key in props.name.lower()), None)
-    peak_flops = known.peak_flops if known is not None else GPUS["h100"].peak_flops
-    return GPU(name=props.name, memory_bytes=props.total_memory, peak_flops=peak_flops)
+    name = props.name.lower().replace(" ", "-")  # "NVIDIA H100 PCIe" -> "nvidia-h100-pcie"
+    known = next((gpu for key, gpu in GPUS.items() if key in name), None)
+    return GPU(name=props.name, memory_bytes=props.total_memory, peak_flops=known.peak_flops if known else 0.0)
+
+
+def mfu_peak_flops(configured: float, device_type: str) -> float:
+    """The peak FLOP/s of one device that MFU is measured against: `metrics.peak_flops` when set, else the known
+    GPU's; 0 (no MFU reported) on CPU and on a GPU the planner does not know, which says how to set it. Until
+    2026-12-07 an unknown GPU was measured against an H100's 989 TFLOP/s: an L4's MFU read 0.12x its value."""
+    if configured > 0 or device_type != "cuda":
+        return configured
+    gpu = visible_gpu()
+    if gpu.peak_flops <= 0:
+        log.warning("MFU is not reported: the peak FLOP/s of %s is not known here; --set metrics.peak_flops=... "
+                    "(its dense bf16 FLOP/s from the data sheet) to report it", gpu.name)
+    return gpu.peak_flops
 
 
 def device_blocks(num_devices: int, num_local_ranks: int) -> int:

@@ -280,9 +280,10 @@ def summarize_records(records: list[dict[str, Any]]) -> RunSummary:
         if r["kind"] == "step":
             losses[r["node"]].append(r["loss"])
             skipped[r["node"]] += bool(r.get("skipped"))
-        elif r["kind"] == "outer" and not r.get("skipped"):
-            hashes[r["outer_step"]][r["node"]] = r["state_hash"]
-            sent[r["node"]] += r["bytes_sent"]
+        elif r["kind"] == "outer":
+            sent[r["node"]] += r["bytes_sent"]  # a skipped outer step's failed tries sent bytes too, as nodes count
+            if not r.get("skipped"):
+                hashes[r["outer_step"]][r["node"]] = r["state_hash"]
     return RunSummary(num_nodes=len(nodes), losses=dict(losses), hashes=dict(hashes), bytes_sent=dict(sent),
                       num_skipped={node: k for node, k in skipped.items() if k},
                       last_checkpoint_step=last_checkpoint_step)

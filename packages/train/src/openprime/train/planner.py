@@ -52,7 +52,8 @@ class GPU:
     peak_flops: float  # dense bf16 tensor-core FLOP/s (no sparsity), the denominator of MFU
 
 
-GPUS: dict[str, GPU] = {
+GPUS: dict[str, GPU] = {  # a device is the first key in its name, lower case, "-" for " ": "h100-pcie" first
+    "h100-pcie": GPU(name="H100 PCIe", memory_bytes=80 * GiB, peak_flops=756e12),
     "h100": GPU(name="H100 SXM", memory_bytes=80 * GiB, peak_flops=989e12),
     "h200": GPU(name="H200 SXM", memory_bytes=141 * GiB, peak_flops=989e12),
     "a100": GPU(name="A100 SXM", memory_bytes=80 * GiB, peak_flops=312e12),

@@ -11,7 +11,7 @@ import attrs
 from openprime.diloco import OuterStepResult
 from openprime.fsdp import local_sum
 from openprime.train.config import RunConfig
-from openprime.train.hardware import visible_gpu
+from openprime.train.hardware import mfu_peak_flops
 from openprime.train.metrics import WallClock, human_bytes, model_flops_utilisation, progress_line, say
 from openprime.train.model import num_flops_per_token
 
@@ -38,8 +38,11 @@ class Progress:
         self.cfg, self.n = cfg, node
         self.tokens_per_step = node.tokens_per_step
         self.flops_per_token = num_flops_per_token(cfg.model, cfg.train.seq_len)
-        self.peak_flops = cfg.metrics.peak_flops or (visible_gpu().peak_flops if node.device.type == "cuda" else 0.0)
-        self.clock, self.window_start = WallClock(), time.monotonic()
+        self.peak_flops = mfu_peak_flops(cfg.metrics.peak_flops, node.device.type)
+        # The progress line's window: the inner steps this node trained since the last line, and since when. Not
+        # log_every steps: the last window of a run, the first after a resume or a join at a step that is not a
+        # multiple of it, and one with a catch-up's jump in step are shorter (their tok/s read 1.5-3x too high).
+        self.clock, self.window_start, self.window_steps = WallClock(), time.monotonic(), 0
         self.losses: list[float] = []
         self.outer: OuterStepResult | None = None
         self.sent = 0
@@ -48,11 +51,10 @@ class Progress:
              grad_norm: float, skipped: bool) -> None:
         cfg, n = self.cfg, self.n
         self.losses.append(loss)
+        self.window_steps += 1
         tokens_per_s = self.tokens_per_step / step_s
-        mfu = model_flops_utilisation(tokens_per_s=tokens_per_s, flops_per_token=self.flops_per_token,
-                                      peak_flops=self.peak_flops, num_devices=cfg.fsdp.num_local_ranks)
         n.write("step", step=step, loss=loss, lr=lr, tokens=n.tokens(step), step_s=step_s,
-                tokens_per_s=tokens_per_s, mfu=mfu, grad_norm=grad_norm, skipped=skipped)
+                tokens_per_s=tokens_per_s, mfu=self._mfu(tokens_per_s), grad_norm=grad_norm, skipped=skipped)
         # Where the node is now: `step`, unless its outer step gave it the run's state (a rejoin after an
         # eviction, a node that fell behind), which moved it on to the others' step. What comes after the inner
         # step is numbered from there, as the others number it.
@@ -69,11 +71,19 @@ class Progress:
         if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or last):
             n.write("eval", step=step, val_loss=n.evaluate(), tokens=n.tokens(step), num_nodes=num_nodes)
         if step % cfg.train.log_every == 0 or last:
-            elapsed, self.window_start = time.monotonic() - self.window_start, time.monotonic()
+            now = time.monotonic()
+            window_tokens_per_s = self.tokens_per_step * self.window_steps / (now - self.window_start)
+            self.window_start, self.window_steps = now, 0
+            # The line's MFU is the window's, as its tok/s: the step record's is one step's, and the last step of a
+            # window is often an outer step (log_every divides H), mostly network time.
             n.say(progress_line(node=n.node, step=step, num_steps=cfg.train.num_steps, loss=loss,
-                                tokens_per_s=self.tokens_per_step * cfg.train.log_every / elapsed,
-                                outer_steps=n.counters.num_outer_steps_done, bytes_sent=self.sent, lr=lr,
-                                compute_utilisation=self.clock.compute_utilisation(), mfu=mfu, num_nodes=num_nodes))
+                                tokens_per_s=window_tokens_per_s, outer_steps=n.counters.num_outer_steps_done,
+                                bytes_sent=self.sent, lr=lr, compute_utilisation=self.clock.compute_utilisation(),
+                                mfu=self._mfu(window_tokens_per_s), num_nodes=num_nodes))
+
+    def _mfu(self, tokens_per_s: float) -> float | None:
+        return model_flops_utilisation(tokens_per_s=tokens_per_s, flops_per_token=self.flops_per_token,
+                                       peak_flops=self.peak_flops, num_devices=self.cfg.fsdp.num_local_ranks)
 
     def summary(self) -> NodeSummary:
         return NodeSummary(node=self.n.node, first_loss=self.losses[0] if self.losses else float("nan"),

@@ -134,9 +134,13 @@ def catch_up(cfg: RunConfig, coordinator: str, diloco: DiLoCo, mesh: ElasticDevi
                 results.append(diloco.sync(contribute=False))
             if diloco.behind:  # non-blocking: got the state after the others moved on; join the next outer step
                 results.append(diloco.sit_out())
-            # One record for the catching up: the last outer step, with the bytes of all of them (the state's).
+            # One record for the catching up: the last outer step, with the bytes and the seconds of all of them
+            # (the state's transfer among them: a record of the last one alone left the others' waits out of the
+            # compute utilisation, which then read 0.7 where it was 0.1).
             return mesh, attrs.evolve(results[-1], bytes_sent=sum(r.bytes_sent for r in results),
                                       bytes_received=sum(r.bytes_received for r in results),
+                                      total_s=sum(r.total_s for r in results),
+                                      all_reduce_s=sum(r.all_reduce_s for r in results),
                                       received_state=any(r.received_state for r in results))
         except Evicted as e:
             say(f"[{mesh.node_id}] evicted while waiting to be admitted ({e}); registering again")
