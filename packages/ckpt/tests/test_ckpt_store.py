@@ -272,6 +272,32 @@ def test_prune_keeps_the_newest_complete_steps_while_a_sibling_part_is_late_fail
     assert latest(tmp_path).step == 300
 
 
+@pytest.mark.parametrize("num_keep", [1, 2])
+def test_prune_keeps_a_step_a_node_can_resume_from_when_the_layout_changed_and_some_ranks_failed(tmp_path,
+                                                                                                num_keep) -> None:
+    """A second node joined (a new layout of parts) and, at the new layout's first steps, local rank 1 of every
+    node failed to save (a full disk, or killed before its rename) while each rank 0 saved and pruned. By presence
+    those steps held every part saved so far of their layout: they counted as complete, and the last step holding a
+    whole node was removed (no resume possible). With `usable` (a whole node), they do not count."""
+
+    def whole_node(present: tuple[str, ...], named: tuple[str, ...]) -> str | None:
+        slots = {name.split("-rank-")[0] for name in named}
+        whole = [s for s in slots if all(n in present for n in named if n.startswith(f"{s}-rank-"))]
+        return None if whole else "no whole node"
+
+    one = ["slot-0-rank-0", "slot-0-rank-1"]
+    two = [*one, "slot-1-rank-0", "slot-1-rank-1"]
+    for part in one:
+        write_part(tmp_path, 100, part, make_state(100), parts=one)
+        prune(tmp_path, part, num_keep=num_keep, saved=100, usable=whole_node)
+    for step in (200, 300)[:num_keep]:
+        for part in ("slot-0-rank-0", "slot-1-rank-0"):
+            write_part(tmp_path, step, part, make_state(step), parts=two)
+            prune(tmp_path, part, num_keep=num_keep, saved=step, usable=whole_node)
+    assert latest(tmp_path, enough=whole_node).step == 100
+    assert list_steps(tmp_path)[0] == 100
+
+
 def test_prune_on_a_disk_of_its_own_counts_the_parts_that_disk_holds(tmp_path) -> None:
     """A machine saving to its own disk holds only its nodes' parts of every step (here slot-1 of two): those steps
     are complete for it, and prune keeps `num_keep` of them. A step where the part never finished (only a killed

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from openprime.ckpt.config import SaveMode
 from openprime.ckpt.state import snapshot
-from openprime.ckpt.store import Fingerprint, dcp_cause, prune, write_part
+from openprime.ckpt.store import Fingerprint, PartsCheck, dcp_cause, prune, write_part
 
 log = logging.getLogger("openprime.ckpt")
 
@@ -42,10 +42,12 @@ class SaveResult:
 class Checkpointer:
     """Saves the parts of one node (one `part` name) under a checkpoint root, synchronously or not."""
 
-    def __init__(self, root: pathlib.Path, *, part: str, mode: SaveMode, num_keep: int) -> None:
+    def __init__(self, root: pathlib.Path, *, part: str, mode: SaveMode, num_keep: int,
+                 usable: PartsCheck | None = None) -> None:
+        """`usable`: what a step must hold to count among the `num_keep` kept (store.prune)."""
         if mode is SaveMode.OFF:
             raise ValueError("a Checkpointer with SaveMode.OFF would save nothing; do not build one")
-        self.root, self.part, self.mode, self.num_keep = root, part, mode, num_keep
+        self.root, self.part, self.mode, self.num_keep, self.usable = root, part, mode, num_keep, usable
         self.results: list[SaveResult] = []
         self._thread: threading.Thread | None = None
         self._host: Any = None
@@ -101,7 +103,7 @@ class Checkpointer:
                       f"its newest save is step {newest}" if newest is not None else "no save of it finished yet")
             return
         try:
-            later = prune(self.root, self.part, num_keep=self.num_keep, saved=step)
+            later = prune(self.root, self.part, num_keep=self.num_keep, saved=step, usable=self.usable)
             if later:
                 log.warning("checkpoints of later steps %s under %s are left alone: they are not this run's timeline "
                             "(it resumed from an older step), and `--resume latest` takes the newest complete one",

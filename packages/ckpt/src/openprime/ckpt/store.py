@@ -354,7 +354,8 @@ def writing_pids(root: pathlib.Path, *, since: float = 0.0) -> set[int]:
     return pids
 
 
-def prune(root: pathlib.Path, part: str, *, num_keep: int, saved: int | None = None) -> list[int]:
+def prune(root: pathlib.Path, part: str, *, num_keep: int, saved: int | None = None,
+          usable: PartsCheck | None = None) -> list[int]:
     """Delete the steps before the `num_keep` newest complete ones, and leftovers of this part's failed saves.
 
     Only complete steps count (`_complete_steps`): a step whose sibling parts are still being written (an
@@ -366,10 +367,11 @@ def prune(root: pathlib.Path, part: str, *, num_keep: int, saved: int | None = N
     no older part behind). A sibling's temporary directory is left alone (its own next save removes it). Called
     after a save succeeded (no save of this part is running then). `saved`: the step just saved; steps after it are
     another timeline's (a run resumed from an older checkpoint) and are left alone. Returns those later steps.
+    `usable`: what a step's present parts must hold besides (as `latest`'s `enough`: a whole node).
     """
     steps = list_steps(root)
     later = [s for s in steps if saved is not None and s > saved]
-    complete = _complete_steps(root, [s for s in steps if s not in later])
+    complete = _complete_steps(root, [s for s in steps if s not in later], usable)
     oldest_kept = complete[-num_keep] if len(complete) >= num_keep else None
     for step in steps:
         path = step_dir(root, step)
@@ -384,14 +386,17 @@ def prune(root: pathlib.Path, part: str, *, num_keep: int, saved: int | None = N
     return later
 
 
-def _complete_steps(root: pathlib.Path, steps: Sequence[int]) -> list[int]:
-    """The steps among `steps` that hold every part this disk holds of their layout, by presence (no checksums).
+def _complete_steps(root: pathlib.Path, steps: Sequence[int], usable: PartsCheck | None = None) -> list[int]:
+    """The steps among `steps` that hold every part this disk holds of their layout, by presence (no checksums),
+    and that `usable` accepts.
 
     A step names its parts (the nodes of its outer step, times the local ranks). A disk shared by the nodes holds
     them all; a machine saving to its own disk holds only its own nodes' parts. So, within the steps that name the
     same parts (one layout), the parts this disk holds are those that finished in any of them, and a step is
     complete when it holds all of those. A step with no finished part, or one whose state.json cannot be read,
-    is not complete.
+    is not complete. Of a layout's first steps the parts held are only those saved so far: when every node's local
+    rank 1 failed (a full disk) or was killed and its rank 0 saved, the step held all of them, no whole node, and
+    its prune removed the last step that held one (2026-12-07); `usable` (a whole node) refuses such a step.
     """
     present: dict[int, frozenset[str]] = {}
     layout: dict[int, tuple[str, ...]] = {}
@@ -405,4 +410,5 @@ def _complete_steps(root: pathlib.Path, steps: Sequence[int]) -> list[int]:
     held: dict[tuple[str, ...], set[str]] = {}
     for step, parts in layout.items():
         held.setdefault(parts, set()).update(present[step])
-    return [step for step in steps if step in layout and held[layout[step]] <= present[step]]
+    return [step for step in steps if step in layout and held[layout[step]] <= present[step]
+            and (usable is None or usable(tuple(sorted(present[step])), layout[step]) is None)]

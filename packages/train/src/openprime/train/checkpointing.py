@@ -178,7 +178,8 @@ def resolved_config(run_dir: pathlib.Path) -> dict[str, Any] | None:
 
 
 def node_checkpointer(cfg: CheckpointConfig, run_dir: pathlib.Path, part: str) -> Checkpointer:
-    return Checkpointer(checkpoint_root(cfg, run_dir), part=part, mode=cfg.mode, num_keep=cfg.num_keep)
+    return Checkpointer(checkpoint_root(cfg, run_dir), part=part, mode=cfg.mode, num_keep=cfg.num_keep,
+                        usable=nodes_here(1))
 
 
 def node_state(*, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
