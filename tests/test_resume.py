@@ -351,6 +351,10 @@ def test_resume_refuses_another_model_before_starting(stopped, tmp_path):
     proc = _run(_copy(stopped, tmp_path), "--resume", "latest", "--set", "model.dim=256", expect=2)
     assert "tensor 'model/tok_embeddings.weight' is (4096, 128) torch.float32 in the checkpoint but " \
            "(4096, 256) torch.float32 here" in proc.stderr
+    # The same shapes, another function of the weights (accepted without a word before 2026-12-07).
+    proc = _run(_copy(stopped, tmp_path / "rope"), "--resume", "latest", "--set", "model.rope_theta=10000", expect=2)
+    assert "was saved from another model: model.rope_theta 10000.0 (saved: 500000.0)" in proc.stderr, proc.stderr
+    assert "Resume with --set model.rope_theta=500000.0" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.slow

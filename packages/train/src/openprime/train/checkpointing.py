@@ -348,6 +348,25 @@ def load_node_part(checkpoint: Checkpoint, name: str, model: torch.nn.Module) ->
     return read_part(part, verify=not checkpoint.verified)
 
 
+# ModelConfig fields a resume may change: the initialisation (the weights come from the checkpoint) and the length
+# the RoPE tables cover. Any other change that keeps every shape (rope_theta, norm_eps) computes another function of
+# the saved weights, and was accepted without a word until 2026-12-07.
+RESUMABLE_MODEL_CHANGES = ("init", "max_seq_len")
+
+
+def model_changes(saved: dict[str, Any], model: ModelConfig, *, where: str) -> None:
+    """Raise a ConfigError naming the model settings (other than RESUMABLE_MODEL_CHANGES) in which the saved
+    model config differs from this run's, with the --set that restores them."""
+    current = to_dict(model)
+    changed = [name for name in current if name not in RESUMABLE_MODEL_CHANGES and name in saved
+               and saved[name] != current[name]]
+    if changed:
+        listing = ", ".join(f"model.{name} {current[name]!r} (saved: {saved[name]!r})" for name in changed)
+        restore = " ".join(f"--set model.{name}={saved[name]}" for name in changed)
+        raise ConfigError(f"{where} was saved from another model: {listing}; its weights would compute another "
+                          f"function here. Resume with {restore}")
+
+
 def model_config_from_dict(values: dict[str, Any]) -> ModelConfig:
     """A ModelConfig from `to_dict`'s JSON (enums by value)."""
     hints = typing.get_type_hints(ModelConfig)

@@ -480,7 +480,13 @@ def _check_shared_run_dir(cfg: RunConfig, run_dir: pathlib.Path, coordinator: st
 def _resume_from(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path,
                  prepared: PreparedData) -> Checkpoint:
     """The checkpoint that `--resume` names, checked against the nodes asked for."""
-    from openprime.train.checkpointing import checkpoint_root, data_layout_changes, find_checkpoint, parts_by_node
+    from openprime.train.checkpointing import (
+        checkpoint_root,
+        data_layout_changes,
+        find_checkpoint,
+        model_changes,
+        parts_by_node,
+    )
 
     if args.resume == "latest" and args.run_dir is None and not cfg.checkpoint.directory:
         raise ConfigError("--resume latest needs the --run-dir of the run to continue")
@@ -505,6 +511,7 @@ def _resume_from(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path
                 for name, t in model.state_dict().items()}
     first_part = found.part(nodes[0][0])
     check_compatible(first_part, {"model": expected})
+    model_changes(part_info(first_part)["state"]["model_config"], cfg.model, where=f"checkpoint {found.path}")
     # The data layout's settings and token streams (prepared above), before any node starts (each node checks
     # its sequences per source as it loads).
     layout = {"seed": cfg.data.seed, "seq_len": cfg.train.seq_len, "num_slots": cfg.mesh.max_nodes,
