@@ -66,6 +66,17 @@ def test_round_trip_is_exact(tmp_path: pathlib.Path) -> None:
     assert loaded["optim"]["param_groups"][0]["lr"] == 1e-3 / 3  # floats bit-exact through JSON
 
 
+def test_a_part_read_in_part_loads_only_the_tensors_asked_for(tmp_path: pathlib.Path) -> None:
+    state = make_state(0)
+    path = write_part(tmp_path, 40, "slot-0", state, parts=["slot-0"])
+    loaded = read_part(path, only=("model", "optim/state/layers.0.w/exp_avg"))
+    assert_same(loaded["model"], state["model"])
+    assert loaded["counters"] == state["counters"]
+    moments, saved = loaded["optim"]["state"]["layers.0.w"], state["optim"]["state"]["layers.0.w"]
+    assert torch.equal(moments["exp_avg"], saved["exp_avg"])
+    assert moments["step"] is None and loaded["rng"] is None  # not read
+
+
 def test_flatten_refuses_what_it_cannot_store() -> None:
     with pytest.raises(TypeError, match="must be a string"):
         flatten({"state": {0: torch.zeros(1)}})

@@ -78,3 +78,19 @@ def test_a_node_resumed_after_a_skipped_outer_step_keeps_its_local_weights():
     results = [_train(node, H) for node in (uninterrupted, resumed)]
     assert [r.skipped for r in results[0]] == [r.skipped for r in results[1]] == [False]
     assert resumed[3].state.state_hash() == diloco.state.state_hash()
+
+
+def test_an_export_after_a_skipped_outer_step_writes_the_global_weights(tmp_path):
+    """The export takes theta, the weights the replicas agreed on, not the part's model: after a skipped outer step
+    that is its replica's own local weights (until 2026-12-07 the export wrote them). It reads the model and theta
+    only, not the AdamW moments and the outer momentum."""
+    from openprime.ckpt import write_part
+    from openprime.train.checkpointing import load_model_weights
+
+    model, opt, sched, diloco, batches = node = _node()
+    assert [r.skipped for r in _train(node, H)] == [True]
+    state = node_state(model=model, opt=opt, sched=sched, diloco=diloco, batches=batches, model_cfg=CFG.model)
+    write_part(tmp_path, diloco.num_inner_steps_done, "slot-0", state, parts=["slot-0"])
+    _, weights, _ = load_model_weights(tmp_path)
+    exported = torch.cat([weights[name].reshape(-1) for name, _ in model.named_parameters()])
+    assert torch.equal(exported, diloco.state.theta) and not torch.equal(exported, _params(model))

@@ -45,14 +45,15 @@ def flatten(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str
     return tensors, walk(state, "")
 
 
-def unflatten(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
-    """The nested state back from its skeleton and the loaded tensors (tuples come back as lists)."""
+def unflatten(skeleton: Any, tensors: Mapping[str, torch.Tensor], *, partial: bool = False) -> Any:
+    """The nested state back from its skeleton and the loaded tensors (tuples come back as lists). With `partial`,
+    a tensor not among `tensors` (not loaded) comes back as None."""
     if isinstance(skeleton, dict):
         if set(skeleton) == {TENSOR}:
-            return tensors[skeleton[TENSOR]]
-        return {key: unflatten(item, tensors) for key, item in skeleton.items()}
+            return tensors.get(skeleton[TENSOR]) if partial else tensors[skeleton[TENSOR]]
+        return {key: unflatten(item, tensors, partial=partial) for key, item in skeleton.items()}
     if isinstance(skeleton, list):
-        return [unflatten(item, tensors) for item in skeleton]
+        return [unflatten(item, tensors, partial=partial) for item in skeleton]
     return skeleton
 
 

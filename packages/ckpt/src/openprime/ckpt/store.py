@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from openprime.ckpt.manifest import CorruptCheckpoint, fsync_path, read_manifest, verify_manifest, write_manifest
-from openprime.ckpt.state import flatten, unflatten
+from openprime.ckpt.state import SEP, flatten, unflatten
 from openprime.core.errors import ConfigError, OpenPrimeError
 
 log = logging.getLogger("openprime.ckpt")
@@ -191,10 +191,12 @@ def check_compatible(path: pathlib.Path, expected: Mapping[str, Any]) -> None:
                                  f"(and {len(extra) - 1} more): it was saved from a different model")
 
 
-def read_part(path: pathlib.Path, *, verify: bool = True) -> dict[str, Any]:
+def read_part(path: pathlib.Path, *, verify: bool = True, only: Sequence[str] = ()) -> dict[str, Any]:
     """Load one part into fresh host tensors: the nested state as it was saved (tuples as lists).
 
-    With `verify`, every file is first checked against the manifest (CorruptCheckpoint otherwise).
+    With `verify`, every file is first checked against the manifest (CorruptCheckpoint otherwise). `only`: the
+    tensors to load, by path prefix ("model", "diloco/theta"); the others come back as None. An export needs the
+    weights: it read the AdamW moments and the outer momentum too, five times the model's bytes in memory.
     """
     if not path.is_dir():
         raise CheckpointNotFound(f"no checkpoint at {path}")
@@ -204,7 +206,8 @@ def read_part(path: pathlib.Path, *, verify: bool = True) -> dict[str, Any]:
         meta = json.loads((path / STATE_FILE).read_text())
     except (OSError, ValueError) as e:
         raise CorruptCheckpoint(path, f"{STATE_FILE} is unreadable: {e}") from None
-    tensors = {name: torch.empty(tuple(m.size), dtype=m.properties.dtype) for name, m in _metadata(path).items()}
+    tensors = {name: torch.empty(tuple(m.size), dtype=m.properties.dtype) for name, m in _metadata(path).items()
+               if not only or any(name == prefix or name.startswith(prefix + SEP) for prefix in only)}
     try:
         with _quiet_dcp():
             dcp.load(tensors, storage_reader=dcp.FileSystemReader(path), no_dist=True)
@@ -212,7 +215,7 @@ def read_part(path: pathlib.Path, *, verify: bool = True) -> dict[str, Any]:
         raise CorruptCheckpoint(path, f"reading its tensors failed after its manifest verified ({dcp_cause(e)}); "
                                       f"was it deleted or changed while it was read?") from None
     try:
-        return unflatten(meta["state"], tensors)
+        return unflatten(meta["state"], tensors, partial=bool(only))
     except KeyError as e:
         raise CorruptCheckpoint(path, f"{STATE_FILE} refers to tensor {e} that is not stored") from None
 

@@ -417,14 +417,33 @@ def load_model_weights(source: pathlib.Path) -> tuple[ModelConfig, dict[str, tor
 
 
 def _model_weights(part: pathlib.Path) -> tuple[ModelConfig, dict[str, torch.Tensor], pathlib.Path]:
-    """One part's model config and the node's whole weights (with its local ranks' sibling parts); verified."""
-    state = read_part(part)
-    model = state["model"]
+    """One part's model config and the run's global weights (with its local ranks' sibling parts); verified."""
+    state = read_part(part, only=EXPORTED)
+    model = _global_weights(state, part)
     if "-rank-" in part.name:
         # Saved by FSDP2 local ranks: rank r holds rows [r * ceil(n / R), ...) of every parameter (dim 0), so
         # the node's full weights are its ranks' shards concatenated in rank order.
         named = part_info(part)["parts"]
         (names,) = [names for names in whole_nodes(named, named) if part.name in names]
-        shards = [model if name == part.name else read_part(part.parent / name)["model"] for name in names]
+        shards = [model if name == part.name else _global_weights(read_part(part.parent / name, only=EXPORTED),
+                                                                  part.parent / name) for name in names]
         model = {key: torch.cat([shard[key] for shard in shards]) for key in model}
     return model_config_from_dict(state["model_config"]), model, part
+
+
+# What an export reads of a part: the model (its parameters' names and shapes) and the global weights.
+EXPORTED = ("model", "diloco/theta")
+
+
+def _global_weights(state: dict[str, Any], part: pathlib.Path) -> dict[str, torch.Tensor]:
+    """A part's model parameters as the global weights theta hold them (the parameters' order, flattened): the
+    weights every replica agreed on. After a skipped outer step a replica keeps its own local weights (its model),
+    and the export took those: from a node's part its replica, not the run's (found 2026-12-07)."""
+    model, theta = state["model"], (state.get("diloco") or {}).get("theta")
+    if theta is None:
+        return model
+    if theta.numel() != sum(t.numel() for t in model.values()):
+        raise CorruptCheckpoint(part, f"its global weights hold {theta.numel()} values but its model "
+                                      f"{sum(t.numel() for t in model.values())}")
+    views = torch.split(theta, [t.numel() for t in model.values()])
+    return {key: view.view_as(t).to(t.dtype) for (key, t), view in zip(model.items(), views, strict=True)}
