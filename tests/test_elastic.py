@@ -25,10 +25,8 @@ from openprime.train.launcher import Launcher
 from openprime.train.metrics import summarize
 from openprime.train.recipe import recipe_config
 from openprime.train.testing import ELASTIC_FAST as FAST
-from openprime.train.testing import LONG_RUN as LONG
-from openprime.train.testing import MEDIUM_RUN as MEDIUM
-from openprime.train.testing import SHORT_RUN as SHORT
 from openprime.train.testing import (
+    ELASTIC_H,
     free_port,
     outer_done,
     outer_records,
@@ -37,6 +35,9 @@ from openprime.train.testing import (
     wait_for,
     wait_until,
 )
+from openprime.train.testing import LONG_RUN as LONG
+from openprime.train.testing import MEDIUM_RUN as MEDIUM
+from openprime.train.testing import SHORT_RUN as SHORT
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -84,12 +85,22 @@ def _members_after(run_dir: pathlib.Path, node: int) -> list[int]:
 
 
 def test_kill_during_inner_steps(tmp_path):
-    launcher = _start(tmp_path, 3)
+    """Node 2 killed: the others go on without it. Every data slot was held (mesh.max_nodes=3), so its replacement
+    takes node 2's and goes on where node 2 last reported it was at an outer-step barrier (it read it again from the
+    start before 2026-12-07)."""
+    launcher = _start(tmp_path, 3, "mesh.max_nodes=3")
     wait_for(launcher.run_dir, outer_done(2, 2))
     os.kill(launcher.procs[2].pid, signal.SIGKILL)
-    _finish(launcher, expected_ok={0, 1})
+    wait_for(launcher.run_dir, lambda rs: any(r["num_members"] == 2 for r in outer_records(rs, 0)))
+    launcher.start_node()  # node 3
+    _finish(launcher, expected_ok={0, 1, 3})
+    records = run_records(launcher.run_dir)
     members = _members_after(launcher.run_dir, 0)
-    assert members[:2] == [3, 3] and members[-1] == 2
+    assert members[:2] == [3, 3] and 2 in members
+    killed, start = (next(r for r in records if r["kind"] == "start" and r["node"] == n) for n in (2, 3))
+    reached = max(r["outer_step"] for r in outer_records(records, 2))  # its last barrier: this one's or the next
+    assert start["slot"] == killed["slot"], (killed, start)  # the slots are granted in the order the nodes joined
+    assert start["data_batch"] in (reached * ELASTIC_H, (reached + 1) * ELASTIC_H), start
 
 
 def test_kill_during_the_all_reduce(tmp_path):

@@ -413,6 +413,33 @@ def test_a_node_without_a_slot_of_its_own_gets_one_no_node_held_before_a_held_on
         coordinator.stop()
 
 
+def test_a_node_granted_a_slot_another_node_held_gets_what_that_node_last_reported_of_it(caplog):
+    """Each sync carries what the node reports of its data slot (the trainer's data position); a node later granted
+    that slot gets the last report in its join's reply and goes on from there. A replacement read the slot again from
+    its start, batch for batch what the node before it had trained. A slot never reported on hands over nothing."""
+    coordinator = Coordinator(attrs.evolve(FAST, max_nodes=2, min_nodes=2)).start()  # the first view holds both
+    clients = [MeshClient(coordinator.address, FAST, node_id=f"n{i}") for i in range(4)]
+    try:
+        assert [clients[i].join() for i in range(2)] == [0, 1]
+        assert clients[0].inherited_slot_state is None
+        clients[0].slot_state = lambda: {"batch": 7, "positions": [3, 4]}
+        views = run_threads([lambda c=c: c.sync(0) for c in clients[:2]])
+        assert views[0].members == views[1].members
+        for c in clients[:2]:
+            c.close()
+        while coordinator.nodes:
+            time.sleep(0.05)
+        with caplog.at_level(logging.WARNING, logger="openprime.mesh"):
+            assert clients[2].join() == 0 and clients[3].join() == 1  # every slot was held: the lowest free ones
+        assert clients[2].inherited_slot_state == {"batch": 7, "positions": [3, 4]}
+        assert clients[3].inherited_slot_state is None  # n1 reported nothing of slot 1
+        assert "node n2 takes data slot 0, which a node that left held: it goes on from where that node reported " \
+               "it was" in caplog.text
+    finally:
+        _close(clients)
+        coordinator.stop()
+
+
 def test_coordinator_restart_keeps_the_run(coordinator):
     clients = _clients(coordinator, 2)
     first = run_threads([lambda c=c: c.sync(0) for c in clients])[0]

@@ -145,7 +145,7 @@ def test_a_node_evicted_and_rejoined_asks_for_its_slot_and_goes_on_with_its_data
 
     def join_mesh(cfg, coordinator, *, slot=-1, local_rank=0, local_mesh=None):
         asked.append(slot)
-        return types.SimpleNamespace(slot=granted[0], local_rank=local_rank, close=lambda: None)
+        return _mesh(granted[0], local_rank=local_rank)
 
     class Synced:
         has_state, behind = True, False
@@ -163,7 +163,7 @@ def test_a_node_evicted_and_rejoined_asks_for_its_slot_and_goes_on_with_its_data
     monkeypatch.setattr(trainer.attrs, "evolve", lambda result, **changes: result)
     node = trainer.Node.__new__(trainer.Node)
     node.cfg, node.coordinator, node.ckpt, node.sched, node.local_mesh = cfg, "", None, None, None
-    node.diloco, node.mesh = Synced(), types.SimpleNamespace(slot=1, local_rank=0, close=lambda: None)
+    node.diloco, node.mesh = Synced(), _mesh(1)
     node._open_slot()
     for _ in range(60):
         next(node.batches)
@@ -206,3 +206,34 @@ def test_catching_up_over_several_outer_steps_counts_the_time_and_bytes_of_each(
     _, r = trainer.catch_up(cfg, "", Joining(), mesh, rejoin=False, local_mesh=None)
     assert (r.outer_step, r.received_state) == (5, True)
     assert (r.total_s, r.all_reduce_s, r.bytes_sent, r.bytes_received) == (90.0, 6.0, 300, 1000)
+
+
+def _mesh(slot, *, local_rank=0, inherited=None, reported=None):
+    """A stand-in ElasticDeviceMesh: its data slot, what the join handed over of it, where its reports go."""
+    return types.SimpleNamespace(slot=slot, local_rank=local_rank, close=lambda: None, inherited_slot_state=inherited,
+                                 report_slot_state=[].append if reported is None else reported.append)
+
+
+def test_a_node_granted_a_slot_another_node_held_goes_on_where_that_node_left_it():
+    """The coordinator hands a node the position the slot's previous node last reported (at its outer-step barrier):
+    it goes on from there, and reports its own from then on. A replacement read the slot again from the start."""
+    import pathlib
+
+    from openprime.train.recipe import recipe_config
+
+    root = pathlib.Path(__file__).resolve().parents[3]
+    cfg = recipe_config(str(root / "recipes" / "debug.py"), ["checkpoint.mode=off"])
+    node = trainer.Node.__new__(trainer.Node)
+    node.cfg, node.ckpt, node.local_rank, node.node = cfg, None, 0, 3
+    before = trainer.build_batches(cfg, 2)
+    for _ in range(25):
+        next(before)
+    reported = []
+    node.mesh = _mesh(2, inherited=before.state_dict(), reported=reported)
+    node._open_slot()
+    assert node.batches.state_dict() == before.state_dict()
+    assert torch.equal(next(node.batches)[0], next(before)[0])  # the batch the node before would have read next
+    assert reported == [node.batches.state_dict]  # its own position, at its syncs from now on
+    node.mesh = _mesh(1, inherited=before.state_dict())  # another slot's position: it does not fit, and is not used
+    node._open_slot()
+    assert node.batches.batch == 0 and node.batches.slot == 1

@@ -23,7 +23,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -79,6 +79,10 @@ class MeshClient:
         self.node = node_id or new_node_id()
         self.incarnation = uuid.uuid4().hex
         self.slot = -1
+        # What this node reports of its data slot at each sync (a callable giving a small msgpack-able map: the
+        # trainer's data position); the coordinator hands the last one to the next node granted the slot.
+        self.slot_state: Callable[[], dict] | None = None
+        self.inherited_slot_state: dict | None = None  # what the join's reply handed this node of its slot
         self.store = ""  # host:port of the rendezvous store the coordinator hosts
         self.joined_epoch = 0  # the run's epoch when this node joined: 0 means the run had not started
         self.view: View | None = None
@@ -168,6 +172,7 @@ class MeshClient:
         if reply.get("op") != "joined":
             raise JoinRefused(f"coordinator refused to let node {self.node} join: {reply.get('reason')}")
         self.slot, self.store, self.joined_epoch = reply["slot"], self._reachable(reply["store"]), reply["epoch"]
+        self.inherited_slot_state = reply.get("slot_state") if isinstance(reply.get("slot_state"), dict) else None
         self._start_heartbeats()
         return self.slot
 
@@ -190,6 +195,8 @@ class MeshClient:
         self._applied_at = None
         if stateless:
             extra["stateless"] = True
+        if self.slot_state is not None:
+            extra["slot_state"] = self.slot_state()
         if bandwidth:
             extra["bw"] = bandwidth
         with self._lock:

@@ -101,6 +101,9 @@ class Coordinator:
         self.store = f"{host}:{self._store.port}"
         self.nodes: dict[str, NodeRecord] = {}
         self.slots_held: set[int] = set()  # data slots granted since this coordinator started (see _grant_slot)
+        # What the node holding each data slot last reported of it at a sync (opaque: the trainer's data position),
+        # handed to the next node granted the slot, which goes on from there instead of reading the slot again.
+        self.slot_states: dict[int, dict] = {}
         self.epoch = 0
         self.members: list[str] = []
         self.step = 0
@@ -273,9 +276,9 @@ class Coordinator:
     def _grant_slot(self, node: str, wanted: Any) -> int:
         """The data slot for `node`: the one it asks for if that is free (a node resuming a checkpoint, or
         rejoining, asks for its own), else the lowest free slot that no node has held, else the lowest free one;
-        num_slots when none is free. A node without a slot of its own reads its slot's data from the start: given
-        a slot a node that left had held (the lowest free one), a replacement trained again, batch for batch, what
-        that node had trained, while slots never held stayed unread (found 2026-12-07)."""
+        num_slots when none is free. Given a slot a node that left had held (the lowest free one), a replacement
+        trained again, batch for batch, what that node had trained, while slots never held stayed unread (found
+        2026-12-07); given one now, it goes on from the position its node last reported (`slot_states`)."""
         used = {r.slot for n, r in self.nodes.items() if n != node}
         free = [s for s in range(self.num_slots) if s not in used]
         if isinstance(wanted, int) and wanted in free:
@@ -283,9 +286,11 @@ class Coordinator:
         else:
             slot = next((s for s in free if s not in self.slots_held), free[0] if free else self.num_slots)
             if slot in self.slots_held:
-                log.warning("node %s takes data slot %d, which a node that left held: it reads that slot's data "
-                            "from the start (every slot of mesh.max_nodes=%d was held; more slots give it unread "
-                            "data)", node, slot, self.num_slots)
+                log.warning("node %s takes data slot %d, which a node that left held: it %s (every slot of "
+                            "mesh.max_nodes=%d was held; more slots give it unread data)", node, slot,
+                            "goes on from where that node reported it was" if slot in self.slot_states else
+                            "reads that slot's data from the start (this coordinator heard no position of it)",
+                            self.num_slots)
         if slot < self.num_slots:
             self.slots_held.add(slot)
         return slot
@@ -310,7 +315,8 @@ class Coordinator:
             record = NodeRecord(node=node, incarnation=message["incarnation"], slot=slot, last_seen=now, joined_at=now)
             self.nodes[node] = record
             log.info("node %s joined (slot %d); it is admitted at the next outer step", node, slot)
-        return {"op": "joined", "slot": record.slot, "epoch": self.epoch, "step": self.step, "store": self.store}
+        return {"op": "joined", "slot": record.slot, "epoch": self.epoch, "step": self.step, "store": self.store,
+                "slot_state": self.slot_states.get(record.slot)}
 
     def _disagreement(self, node: str, terms: Any) -> str | None:
         """Why a joining node may not join this run's terms (None: it may). The first node to join a coordinator
@@ -338,6 +344,8 @@ class Coordinator:
             return None
         if record.slot < 0:
             record.slot = self._valid_slot(message["node"], message["slot"])
+        if isinstance(message.get("slot_state"), dict) and 0 <= record.slot == message["slot"]:
+            self.slot_states[record.slot] = message["slot_state"]
         if isinstance(message.get("hash"), str) and isinstance(message.get("hash_step"), int):
             self._record_hash(message["node"], message["hash_step"], message["hash"])
         for sender, rate in (message.get("bw") or {}).items():

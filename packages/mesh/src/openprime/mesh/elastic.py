@@ -74,12 +74,19 @@ class ElasticDeviceMesh(Membership):
         self._probe: threading.Thread | None = None
         self._measured: dict[str, float] = {}  # node -> bytes/s from it to this node, reported at the next sync
         # Who this node is, the same on every local rank (only local rank 0 holds the client).
-        identity = self._share([client.node, client.slot, client.joined_epoch] if client is not None else None)
-        self.node_id, self.slot, self.joined_epoch = identity
+        identity = self._share([client.node, client.slot, client.joined_epoch, client.inherited_slot_state]
+                               if client is not None else None)
+        # inherited_slot_state: what the node that held this data slot before reported of it (MeshClient.join).
+        self.node_id, self.slot, self.joined_epoch, self.inherited_slot_state = identity
         self._store = ""  # the coordinator's rendezvous store, as the last view named it
         self._try = ""  # the group name of the current try (abort.try_group)
         self._watch = TryWatch(poll_s=abort_poll_s, connect_timeout_s=connect_timeout_s,
                                who=f"node {self.node_id} local rank {local_rank}")
+
+    def report_slot_state(self, state: Callable[[], dict]) -> None:
+        """What this node reports of its data slot at each sync (local rank 0 reports for the node)."""
+        if self.client is not None:
+            self.client.slot_state = state
 
     # ------------------------------------------------------------------ the node's local ranks
 

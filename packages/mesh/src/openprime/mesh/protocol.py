@@ -8,9 +8,11 @@ coordinator serving everyone else (DESIGN.md: PRIME's coordinator was a TCPStore
 Node -> coordinator (every message also carries the node's belief: epoch, members, step, slot, and the nodes the
 view admitted and whether it was applied (new, applied), so a restarted coordinator rebuilds its state from what
 the nodes report):
-    join       {node, incarnation}                                 -> joined {slot} | refused {reason}
+    join       {node, incarnation}                                 -> joined {slot, slot_state} | refused {reason}
     heartbeat  {node, incarnation}                                 -> ok | evicted
-    sync       {node, incarnation, step, attempt, hash, compute_s} -> view {epoch, members, new, step, attempt, skip}
+    sync       {node, incarnation, step, attempt, hash, compute_s, -> view {epoch, members, new, step, attempt, skip}
+                slot_state (what the node reports of its data slot: its data position, handed to the next node
+                granted the slot in `joined`)}
     commit     {node, incarnation, step, attempt, ok, compute_s,   -> decision {apply}
                 unreachable (the members it could not connect to)}
     leave      {node, incarnation}                                 -> ok          (the deathrattle)

@@ -278,8 +278,9 @@ class Node:
             part = self.part
             if part not in resume.parts:
                 part = part_name(self.saved_slot, self.local_rank, self.cfg.fsdp.num_local_ranks)
+                where = "where the node that held it left it" if self.batches.batch else "from the start"
                 self.say(f"[node {self.node}] its saved data slot {self.saved_slot} went to another node: it continues "
-                         f"from that slot's part on data slot {self.mesh.slot}, whose data it reads from the start")
+                         f"from that slot's part on data slot {self.mesh.slot}, whose data it reads {where}")
             state = load_node_part(resume, part, self.model)
             saved_step = int(state["diloco"]["num_inner_steps_done"])
             self.tokens_offset = saved_tokens(state, self.tokens_per_step) - saved_step * self.tokens_per_step
@@ -292,7 +293,8 @@ class Node:
                          f"the checkpoint's")
             self.say(f"[node {self.node}] resumed from {resume.path} at inner step {self.diloco.num_inner_steps_done} "
                      f"(outer step {self.diloco.num_outer_steps_done})")
-        self.write("start", node_id=self.mesh.node_id, slot=self.mesh.slot, joining=self.joining,
+        self.write("start", node_id=self.mesh.node_id, slot=self.mesh.slot, data_batch=self.batches.batch,
+                   joining=self.joining,
                    resumed_from=str(resume.path) if resume else "", step=self.counters.num_inner_steps_done,
                    state_hash=self.diloco.state.state_hash() if self.diloco else self.dp.weights_hash(),
                    host_state_numel=self.diloco.state.numel if self.diloco else 0,
@@ -313,11 +315,25 @@ class Node:
             # Back on its own slot (evicted and rejoined), a node goes on with its data where it was: until
             # 2026-12-07 it read the slot from its start again, its first batches in the same order.
             self._open_slot()
+        self.mesh.report_slot_state(self.batches.state_dict)  # a new mesh after a rejoin
         return result
 
     def _open_slot(self) -> None:
-        """This node's data shard and checkpoint part follow its data slot, which a rejoin may change."""
+        """This node's data shard and checkpoint part follow its data slot, which a rejoin may change. A slot that
+        another node held goes on where that node last reported it was (at its last outer-step barrier): a
+        replacement read it again from the start, batch for batch what the node before it had trained."""
         self.batches = build_batches(self.cfg, self.mesh.slot)
+        inherited = self.mesh.inherited_slot_state
+        if inherited is not None:
+            try:
+                self.batches.load_state_dict(inherited)
+            except (ValueError, KeyError, TypeError) as e:
+                self.say(f"[node {self.node}] reads data slot {self.mesh.slot} from its start: the position its "
+                         f"previous node reported does not fit these batches ({e})")
+            else:
+                self.say(f"[node {self.node}] goes on with data slot {self.mesh.slot} where the node that held it "
+                         f"left it ({self.batches.batch} batches read)")
+        self.mesh.report_slot_state(self.batches.state_dict)
         if self.ckpt is not None:
             self.ckpt.close()
         if self.cfg.checkpoint.mode is not SaveMode.OFF:
