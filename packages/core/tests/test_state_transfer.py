@@ -241,6 +241,24 @@ def test_an_offer_of_no_shared_state_is_refused():
     assert outcome["refused"] and report.num_chunks == 0 and not fetch.complete
 
 
+@pytest.mark.parametrize("answer", [[1, 2], {"chunks": None}, {"chunks": ["x"]}, {"chunks": [0, 0]}])
+def test_a_malformed_answer_to_an_offer_is_state_corrupt_for_the_donor(answer):
+    """A joiner's answer that is msgpack but not {"chunks": [distinct indices]}: the donor raised AttributeError,
+    TypeError or ValueError, which neither a try (blocking) nor a background send (non-blocking) handles."""
+    donor_t, joiner_t = local_group(2)
+    deadline = time.monotonic() + 30
+
+    def joiner():
+        state_transfer._recv_packed(joiner_t, 0, state_transfer.TAG_STATE_OFFER, deadline, 1 << 20)
+        state_transfer._send_packed(joiner_t, 0, state_transfer.TAG_STATE_WANT, answer, deadline)
+
+    def donor():
+        with pytest.raises(StateCorrupt, match="peer 1 (answered the state offer with a malformed request|asked)"):
+            send_state(donor_t, 1, offer("A", 1), deadline=deadline)
+
+    run_threads([donor, joiner])
+
+
 def test_a_small_state_is_cut_into_several_chunks_and_a_large_one_into_chunks_of_chunk_bytes():
     # The debug model's state (29.4 MB): chunks of 4 MiB (whole 1 MiB pieces), 8 of them, not one.
     assert default_chunk_bytes(29_386_248) == 4 << 20

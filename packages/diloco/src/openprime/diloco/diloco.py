@@ -295,6 +295,9 @@ class DiLoCo:
             except (PeerFailure, StateCorrupt) as e:  # the next barrier finds it without state again
                 log.warning("receiving the state from rank %d failed: %s; finishing it at the next outer step",
                             rnd.donor_rank, e)
+                # Not on this transport: receives of the failed transfer may still be posted on it, and would take
+                # (and count) the donor's next state messages. Closed, the next outer step builds a new group.
+                self.membership.abandon()
 
     def _install(self, meta: dict | None) -> None:
         if meta is None:
