@@ -375,3 +375,30 @@ def test_the_nodes_a_launch_adds_to_a_resumed_checkpoint_ask_for_slots_no_saved_
     sharded = Checkpoint(step=20, path=tmp_path, parts=("slot-1-rank-0", "slot-1-rank-1"))
     assert data_slots(sharded, num_nodes=2, max_nodes=8) == [1, 0]
     assert data_slots(None, num_nodes=2, max_nodes=8) == [-1, -1]
+
+
+def test_run_files_keep_recipes_of_the_same_name_and_a_joined_launchs_config_apart(tmp_path):
+    """An experiment's `debug.py` deriving from `recipes/debug.py`: the base, copied second, replaced the recipe that
+    ran. A launch that joined the run of the launch holding the directory replaced that launch's config.json. The
+    config is the one the launch runs (mesh.min_nodes: its nodes)."""
+    import json
+
+    from openprime.train.launcher import write_run_files
+
+    mine = tmp_path / "myexp" / "debug.py"
+    mine.parent.mkdir()
+    mine.write_text("# MY EXPERIMENT\n")
+    base = ROOT / "recipes" / "debug.py"
+    cfg = recipe_config(base, [])
+    run_dir = tmp_path / "run"
+    write_run_files(run_dir, cfg, recipe=mine, recipe_files=[mine, base], overrides=[], num_nodes=2)
+    assert (run_dir / "recipe" / "debug.py").read_text() == "# MY EXPERIMENT\n"
+    assert (run_dir / "recipe" / "debug.2.py").read_text() == base.read_text()
+    first = json.loads((run_dir / "config.json").read_text())
+    assert first["recipe_files"] == {"debug.py": str(mine), "debug.2.py": str(base)}
+    assert first["config"]["mesh"]["min_nodes"] == 2
+    write_run_files(run_dir, cfg, recipe=base, recipe_files=[base], overrides=["train.log_every=7"], num_nodes=1,
+                    joined=True)
+    assert json.loads((run_dir / "config.json").read_text()) == first
+    assert json.loads((run_dir / "config.joined-1.json").read_text())["overrides"] == ["train.log_every=7"]
+    assert (run_dir / "recipe.joined-1" / "debug.py").read_text() == base.read_text()

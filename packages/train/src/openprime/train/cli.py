@@ -375,7 +375,8 @@ def _start(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path, over
         return _error(str(e))
     try:
         write_run_files(run_dir, cfg, recipe=args.recipe.resolve(), recipe_files=loaded_recipe_files(),
-                        overrides=overrides, num_nodes=args.nodes, resumed_from=resume.path if resume else None)
+                        overrides=overrides, num_nodes=args.nodes, resumed_from=resume.path if resume else None,
+                        joined=in_use)
     except OSError as e:
         return _unwritable(run_dir, e)
     return launch(cfg, num_nodes=args.nodes, run_dir=run_dir, coordinator=args.join, resume=resume,

@@ -86,24 +86,43 @@ def _stdout_gone() -> None:
 
 
 def write_run_files(run_dir: pathlib.Path, cfg: RunConfig, *, recipe: pathlib.Path, recipe_files: list[pathlib.Path],
-                    overrides: list[str], num_nodes: int, resumed_from: pathlib.Path | None = None) -> None:
-    """The resolved config and every recipe source, next to the metrics.
+                    overrides: list[str], num_nodes: int, resumed_from: pathlib.Path | None = None,
+                    joined: bool = False) -> None:
+    """The resolved config (as the launch runs it) and every recipe source, next to the metrics.
 
     A resumed launch keeps the first launch's files and adds its own `config.resumed-N.json`; one that starts a
     run directory (`--resume PATH` of another run's checkpoint) writes `config.json`, which status and export read.
+    A launch that `joined` the run of the launch holding the directory adds `config.joined-N.json` (it replaced the
+    first launch's config.json and recipe sources with its own). Recipe files of the same name (an experiment's
+    `debug.py` deriving from `recipes/debug.py`) are kept apart, `debug.py` and `debug.2.py`, and the config names
+    each copy's origin (`recipe_files`): the base, copied last, replaced the recipe that ran.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
-    resolved = {"recipe": str(recipe), "overrides": overrides, "num_nodes": num_nodes, "config": to_dict(cfg)}
+    copies: dict[str, str] = {}
+    for path in recipe_files:
+        name, k = path.name, 1
+        while name in copies:
+            k += 1
+            name = f"{path.stem}.{k}{path.suffix}"
+        copies[name] = str(path)
+    resolved = {"recipe": str(recipe), "overrides": overrides, "num_nodes": num_nodes, "recipe_files": copies,
+                "config": to_dict(launch_config(cfg, num_nodes))}
     name = "config.json"
     if resumed_from is not None:
         resolved["resumed_from"] = str(resumed_from)
-        if (run_dir / name).exists():
-            name = f"config.resumed-{len(list(run_dir.glob('config.resumed-*.json'))) + 1}.json"
+    kind = "joined" if joined else "resumed" if resumed_from is not None else ""
+    if kind and (run_dir / name).exists():
+        name = f"config.{kind}-{len(list(run_dir.glob(f'config.{kind}-*.json'))) + 1}.json"
     (run_dir / name).write_text(json.dumps(resolved, indent=2) + "\n")
     sources = run_dir / name.removesuffix(".json").replace("config", "recipe")
     sources.mkdir(exist_ok=True)
-    for path in recipe_files:
-        shutil.copyfile(path, sources / path.name)
+    for copy, path in copies.items():
+        shutil.copyfile(path, sources / copy)
+
+
+def launch_config(cfg: RunConfig, num_nodes: int) -> RunConfig:
+    """The config a launch of `num_nodes` nodes runs: its first view waits for all of them (mesh.min_nodes)."""
+    return attrs.evolve(cfg, mesh=attrs.evolve(cfg.mesh, min_nodes=num_nodes))
 
 
 # How long a stopped node process has to leave (its deathrattle, closing its mesh) before SIGKILL, when no
@@ -130,7 +149,7 @@ class Launcher:
 
     def __init__(self, cfg: RunConfig, run_dir: pathlib.Path, *, num_nodes: int,
                  coordinator: str | None = None, resume: Checkpoint | None = None, first_node: int = 0) -> None:
-        self.cfg = attrs.evolve(cfg, mesh=attrs.evolve(cfg.mesh, min_nodes=num_nodes))
+        self.cfg = launch_config(cfg, num_nodes)
         self.run_dir = run_dir
         # The number of this launch's first node in the run directory's records: past another launch's nodes when
         # two launches of a run share the directory (one disk), so that their records do not mix.
