@@ -374,7 +374,9 @@ def test_the_nodes_a_launch_adds_to_a_resumed_checkpoint_ask_for_slots_no_saved_
     assert data_slots(saved, num_nodes=1, max_nodes=4) == [0]  # a machine resuming its own node of a shared disk
     sharded = Checkpoint(step=20, path=tmp_path, parts=("slot-1-rank-0", "slot-1-rank-1"))
     assert data_slots(sharded, num_nodes=2, max_nodes=8) == [1, 0]
-    assert data_slots(None, num_nodes=2, max_nodes=8) == [-1, -1]
+    # A new run's node N asks for slot N, as its resume numbers nodes by slot (they got slots in join order).
+    assert data_slots(None, num_nodes=2, max_nodes=8) == [0, 1]
+    assert data_slots(None, num_nodes=2, max_nodes=8, first_node=7) == [7, -1]  # a second launch sharing the disk
 
 
 def test_run_files_keep_recipes_of_the_same_name_and_a_joined_launchs_config_apart(tmp_path):

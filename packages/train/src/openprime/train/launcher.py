@@ -130,13 +130,16 @@ def launch_config(cfg: RunConfig, num_nodes: int) -> RunConfig:
 LEAVE_S = 10.0
 
 
-def data_slots(resume: Checkpoint | None, *, num_nodes: int, max_nodes: int) -> list[int]:
+def data_slots(resume: Checkpoint | None, *, num_nodes: int, max_nodes: int, first_node: int = 0) -> list[int]:
     """The data slot each node of a launch asks the coordinator for, in start order (-1: any). The nodes that
     resume a checkpoint ask for their saved slots (the node itself reads it from its part); the others, for slots
     that no node of the checkpoint saved: asking for any, one could take a resumed node's slot before that node
-    joined, and read that slot's data again from the start."""
+    joined, and read that slot's data again from the start. A new run's node N asks for slot N (`first_node`: the
+    launch's first node number), as a resume numbers its nodes by slot: given slots in the order they joined,
+    node 0 of the first launch and node 0 of its resume were two replicas, whose records the per-node summaries
+    and curves joined (found 2026-12-07)."""
     if resume is None:
-        return [-1] * num_nodes
+        return [node if node < max_nodes else -1 for node in range(first_node, first_node + num_nodes)]
     nodes = parts_by_node(resume)
     saved = [slot_of_part(names[0]) for names in nodes]
     free = [slot for slot in range(max_nodes) if slot not in saved]
@@ -158,7 +161,7 @@ class Launcher:
         self.resume = resume  # the nodes started first continue from it; later ones join and get the state
         # The first nodes resume the checkpoint's nodes, as many as it holds (it may hold more: a shared disk).
         self._num_resumed = min(num_nodes, len(parts_by_node(resume))) if resume is not None else 0
-        self._slots = data_slots(resume, num_nodes=num_nodes, max_nodes=cfg.mesh.max_nodes)
+        self._slots = data_slots(resume, num_nodes=num_nodes, max_nodes=cfg.mesh.max_nodes, first_node=first_node)
         self.num_threads = cfg.train.num_threads or max(1, usable_cores() // (num_nodes * cfg.fsdp.num_local_ranks))
         self.coordinator_server: Coordinator | None = None  # the coordinator, when it runs in this process
         if coordinator is None:
