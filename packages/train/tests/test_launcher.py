@@ -251,7 +251,9 @@ def test_the_command_that_continues_a_run_resumes_from_a_step_that_holds_every_n
     assert _print_checkpoints(cfg, run_dir, num_nodes=2, joined=None) == 20
     out = capsys.readouterr().out
     assert (f"(newest: step 20); continue with `openprime run RECIPE --nodes 2 --run-dir {run_dir} --resume latest` "
-            f"(from step 10, the newest that holds every node's parts);") in out, out
+            f"(from step 10, the newest that holds every node's parts); or from the newest step, 20, which 1 of the 2 "
+            f"nodes saved: `openprime run RECIPE --nodes 2 --run-dir {run_dir} --resume {root / 'step-00000020'}` (the "
+            f"others take the state from a peer") in out, out  # after a node died, the others' steps go on
     _saved(root, 20, 0)
     assert _print_checkpoints(cfg, run_dir, num_nodes=2, joined="tcp://10.0.0.1:29400") == 20
     out = capsys.readouterr().out

@@ -327,11 +327,14 @@ class InnerOptimizerState(ExtraState):
 def find_checkpoint(spec: str, cfg: CheckpointConfig, run_dir: pathlib.Path, *, num_nodes: int) -> Checkpoint:
     """`--resume latest` (the newest step of the run directory's checkpoints that holds, verified, the parts of
     `num_nodes` nodes: all of them when one disk holds the run's checkpoints, this machine's nodes' when each
-    machine saves to its own) or `--resume PATH` (that step, or that root's newest such step)."""
-    enough = nodes_here(num_nodes)
+    machine saves to its own) or `--resume PATH` (that step, or that root's newest such step). A step named by its
+    path may hold fewer nodes than `num_nodes` (one is enough: every node holds the global state after an outer
+    step): the nodes past them start without a part and take the state from a peer at the first outer step. After a
+    node died, the others went on saving steps without it, and `--resume latest` of a launch of every node goes
+    back to the last step that node saved (the launch's continue line names both)."""
     if spec == "latest":
-        return usable_nodes(latest(checkpoint_root(cfg, run_dir), enough=enough))
-    return usable_nodes(resolve(pathlib.Path(spec), enough=enough))
+        return usable_nodes(latest(checkpoint_root(cfg, run_dir), enough=nodes_here(num_nodes)))
+    return usable_nodes(resolve(pathlib.Path(spec), enough=nodes_here(1)))
 
 
 def load_node_part(checkpoint: Checkpoint, name: str, model: torch.nn.Module) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 import attrs
 import torch
 
-from openprime.ckpt import Checkpoint, list_steps, writing_pids
+from openprime.ckpt import Checkpoint, list_steps, step_dir, writing_pids
 from openprime.core.config import to_dict
 from openprime.core.distributed import host_store
 from openprime.core.transport import Rendezvous
@@ -439,6 +439,15 @@ def _print_checkpoints(cfg: RunConfig, run_dir: pathlib.Path, *, num_nodes: int,
             older = f" (from step {resumable}, the newest that holds every node's parts)" if resumable < saved else ""
             more = (f"continue with `openprime run {recipe_args} --nodes {num_nodes}{join} --run-dir {quoted} "
                     f"--resume latest`{older}; ")
+            if resumable < saved:
+                # Nodes that died (or whose saves failed) left the steps the others saved after without their
+                # parts: the newest holds the run's global state all the same, and the nodes it lacks take the
+                # state from a peer. Named only by `--resume latest`, a run went back to the older step.
+                newest = shlex.quote(str(step_dir(root, saved)))
+                more += (f"or from the newest step, {saved}, which {num_nodes_saved(root, saved)} of the {num_nodes} "
+                         f"nodes saved: `openprime run {recipe_args} --nodes {num_nodes}{join} --run-dir {quoted} "
+                         f"--resume {newest}` (the others take the state from a peer and read their data slots from "
+                         f"the start); ")
     unfinished = [step for step in steps if step > saved]
     note = f"; the saves of step(s) {unfinished} did not finish" if unfinished else ""
     tell(f"  checkpoints: {root} (newest: step {saved}{note}); {more}export the model with "
