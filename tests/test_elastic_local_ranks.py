@@ -157,6 +157,8 @@ def test_kill_one_local_rank_during_inner_steps_takes_the_node_down(start, local
     codes = _finish(launcher, expected_ok={0, 1})
     _taken_down(codes, 2)
     assert codes[2][local_rank] == -signal.SIGKILL
+    # What the launch reports: the process that took the node down (it said rank 0's SIGTERM for a killed rank 1).
+    assert launcher.first_failures[2] == (local_rank, -signal.SIGKILL)
     members = _num_members(launcher, 0)
     assert members[:2] == [3, 3] and members[-1] == 2, members
 

@@ -174,6 +174,7 @@ class Launcher:
         self.num_devices = torch.cuda.device_count() if detect_device_type() == "cuda" else 0
         self.device_blocks: dict[int, int] = {}  # node -> the block of GPUs it computes on (hardware.device_blocks)
         self.local_procs: dict[int, list[mp.process.BaseProcess]] = {}  # node -> all its processes, by local rank
+        self.first_failures: dict[int, tuple[int, int]] = {}  # node -> (local rank, exit code) that took it down
         self._watching = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="openprime-node-watchdog", daemon=True)
         self._watchdog.start()
@@ -217,6 +218,10 @@ class Launcher:
                 alive = [p for p in procs if p.is_alive()]
                 if node not in stopping:
                     stopping[node] = time.monotonic()
+                    # The process that took the node down, for the launch's report: local rank 0's exit code is
+                    # the SIGTERM this sends it, and a killed rank 1 read "node 1 left on SIGTERM".
+                    rank, code = next((r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0))
+                    self.first_failures.setdefault(node, (rank, code))
                     for p in alive:
                         p.terminate()
                 elif time.monotonic() - stopping[node] > grace_s:
@@ -322,8 +327,11 @@ def launch(cfg: RunConfig, *, num_nodes: int, run_dir: pathlib.Path, coordinator
         return 128 + stopped_by
     failed = {n: c for n, c in codes.items() if c != 0}
     for node, code in failed.items():
-        tell(f"openprime: node {node} {ended_how(code)}" + ("; the others went on without it"
-                                                           if len(failed) < len(codes) else ""), err=True)
+        rank, first = launcher.first_failures.get(node, (0, code))
+        how = (f"{ended_how(code)}" if rank == 0 else
+               f"stopped: its local rank {rank} {ended_how(first)}, and its other processes were stopped with it")
+        tell(f"openprime: node {node} {how}" + ("; the others went on without it" if len(failed) < len(codes)
+                                                else ""), err=True)
     if len(failed) == len(codes):
         refused = all(c == REFUSED_EXIT for c in codes.values())
         tell("openprime: run failed: " + ("its nodes were refused or misconfigured; the error above says what to "
