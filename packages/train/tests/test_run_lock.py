@@ -22,7 +22,7 @@ def test_a_second_launch_is_refused_until_the_first_releases(tmp_path):
     record = json.loads((run_dir / LOCK_NAME).read_text())
     assert record["pid"] == os.getpid() and record["command"].startswith("openprime")
     for shared in (False, True):  # neither a launch of its own nor one joining a run may write beside it
-        with pytest.raises(ConfigError, match=rf"in use by another openprime launch .*pid {os.getpid()} on "):
+        with pytest.raises(ConfigError, match=rf"in use by another openprime launch .*pid {os.getpid()}, started "):
             RunDirLock(run_dir, shared=shared)
     assert json.loads((run_dir / LOCK_NAME).read_text()) == record  # a refused launch leaves the record alone
     (run_dir / "metrics.jsonl").write_text("")
@@ -34,7 +34,7 @@ def test_a_second_launch_is_refused_until_the_first_releases(tmp_path):
 
 def test_launches_joining_one_run_share_its_directory(tmp_path):
     with (RunDirLock(tmp_path, shared=True), RunDirLock(tmp_path, shared=True),
-          pytest.raises(ConfigError, match=r"a launch that joined a run with --join")):
+          pytest.raises(ConfigError, match=rf"\(pid {os.getpid()}, joined to a coordinator: [^;]*\); two")):
         RunDirLock(tmp_path, shared=False)
     with RunDirLock(tmp_path, shared=False):
         pass
@@ -61,7 +61,7 @@ def test_the_lock_goes_with_its_holder_when_it_is_killed(tmp_path):
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(ConfigError, match=rf"pid {holder.pid} "):
+        with pytest.raises(ConfigError, match=rf"pid {holder.pid}, started "):
             RunDirLock(tmp_path, shared=False)
         holder.send_signal(signal.SIGKILL)
         assert holder.wait(timeout=30) == -signal.SIGKILL
@@ -126,3 +126,24 @@ def test_launches_started_in_the_same_second_get_run_directories_of_their_own(tm
         with pytest.raises(FileExistsError):
             RunDirLock(first_dir, shared=False, new=True)
     assert not first_dir.exists() and not second_dir.exists()  # nothing written: nothing left behind
+
+
+def test_a_refusal_names_the_launch_that_holds_the_directory_not_one_killed_before(tmp_path):
+    """A launch killed with -9 leaves its record in the lock file; a --join launch then holds the directory shared
+    (and writes none): a third launch's refusal named the dead one."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": int(dead.stdout), "host": os.uname().nodename,
+                                                  "started": "then", "command": "openprime run killed.py"}) + "\n")
+    joined = subprocess.Popen(
+        [sys.executable, "-c", "import pathlib, sys; from openprime.train.run_lock import RunDirLock; "
+         f"lock = RunDirLock(pathlib.Path({str(tmp_path)!r}), shared=True); print('held', flush=True); "
+         "sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert joined.stdout.readline().strip() == "held"
+        with pytest.raises(ConfigError) as e:
+            RunDirLock(tmp_path, shared=False)
+        assert f"pid {joined.pid}, joined to a coordinator: " in str(e.value) and "killed.py" not in str(e.value)
+    finally:
+        joined.kill()
+        joined.wait(timeout=30)

@@ -120,9 +120,57 @@ def _holder() -> dict[str, object]:
 
 
 def _describe(path: pathlib.Path) -> str:
-    """Who holds the lock, as its file says (launches that joined a run hold it shared and write nothing)."""
+    return lock_holders(path) or "a launch that joined a run with --join"
+
+
+def lock_holders(path: pathlib.Path) -> str | None:
+    """The launches of this machine that hold the lock at `path`: the one its file names, while that process lives,
+    else those that joined a run with --join, which hold it shared and write nothing; None if none does. The record
+    of a launch killed with -9 stays in the file: a refusal named that dead launch, and status said none ran while
+    --join launches held the directory (found 2026-12-07)."""
     try:
         holder = json.loads(path.read_text())
-        return f"pid {holder['pid']} on {holder['host']}, started {holder['started']}: {holder['command']}"
+        if holder["host"] == socket.gethostname() and _alive(int(holder["pid"])):
+            return f"pid {holder['pid']}, started {holder['started']}: {holder['command']}"
     except (OSError, ValueError, KeyError, TypeError):
-        return "a launch that joined a run with --join"
+        pass
+    joined = shared_holders(path)
+    return "; ".join(f"pid {pid}, joined to a coordinator: {holder_command(pid)}" for pid in joined) or None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def shared_holders(lock: pathlib.Path) -> list[int]:
+    """The pids of this machine's processes that hold `lock` shared (launches joined to a coordinator, `--join`,
+    which write no record: several may), from Linux's /proc/locks; [] where it cannot tell."""
+    try:
+        st = lock.stat()
+        table = pathlib.Path("/proc/locks").read_text()
+    except OSError:
+        return []
+    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    pids = []
+    for line in table.splitlines():  # e.g. "1: FLOCK  ADVISORY  READ 16265 fe:00:2146774 0 EOF"
+        fields = line.split()
+        if len(fields) >= 6 and "->" not in fields and fields[1] == "FLOCK" and fields[3] == "READ" \
+                and fields[5] == key:
+            pids.append(int(fields[4]))
+    return sorted(set(pids))  # one process may hold it through several descriptors
+
+
+def holder_command(pid: int) -> str:
+    """A process's command line, from /proc ('?' where it cannot be read)."""
+    try:
+        return " ".join(pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")).strip()
+    except OSError:
+        return "?"
+
+

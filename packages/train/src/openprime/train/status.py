@@ -10,10 +10,7 @@ or written: reading never gets in the way of the launch.
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
-import socket
 import time
 from typing import Any
 
@@ -23,7 +20,7 @@ from openprime.ckpt import list_steps
 from openprime.core.errors import ConfigError
 from openprime.train.checkpointing import newest_saved, resolved_config, run_checkpoint_root
 from openprime.train.metrics import METRICS_FILE, read_records, summarize_records
-from openprime.train.run_lock import LOCK_NAME
+from openprime.train.run_lock import LOCK_NAME, lock_holders
 
 
 @attrs.frozen
@@ -50,50 +47,6 @@ class RunStatus:
     val_loss: tuple[int, float] | None  # (step, validation loss) of the newest evaluation
     saved: int | None  # newest checkpoint step that finished saving
     unfinished: list[int]  # checkpoint steps after it that were begun (records, directories) but not finished
-
-
-def shared_holders(lock: pathlib.Path) -> list[int]:
-    """The pids of this machine's processes that hold `lock` shared (launches joined to a coordinator, `--join`,
-    which write no record: several may), from Linux's /proc/locks; [] where it cannot tell."""
-    try:
-        st = lock.stat()
-        table = pathlib.Path("/proc/locks").read_text()
-    except OSError:
-        return []
-    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    pids = []
-    for line in table.splitlines():  # e.g. "1: FLOCK  ADVISORY  READ 16265 fe:00:2146774 0 EOF"
-        fields = line.split()
-        if len(fields) >= 6 and "->" not in fields and fields[1] == "FLOCK" and fields[3] == "READ" \
-                and fields[5] == key:
-            pids.append(int(fields[4]))
-    return sorted(pids)
-
-
-def _command(pid: int) -> str:
-    try:
-        return " ".join(pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")).strip()
-    except OSError:
-        return "?"
-
-
-def _launch(run_dir: pathlib.Path) -> str | None:
-    """This machine's launch that holds the run directory, from the lock's record (written only while held), or
-    the launches that hold it shared (`--join`: every machine of a run spread over several); None if none does."""
-    try:
-        holder = json.loads((run_dir / LOCK_NAME).read_text())
-    except (OSError, ValueError):
-        holder = {}
-    if holder.get("host") != socket.gethostname():
-        joined = shared_holders(run_dir / LOCK_NAME)
-        return "; ".join(f"pid {pid}, joined to a coordinator: {_command(pid)}" for pid in joined) or None
-    try:
-        os.kill(int(holder["pid"]), 0)
-    except ProcessLookupError:
-        return None  # killed before it could clear its record
-    except (PermissionError, KeyError, TypeError, ValueError):
-        pass
-    return f"pid {holder.get('pid')}, started {holder.get('started')}: {holder.get('command')}"
 
 
 def run_status(run_dir: pathlib.Path, *, now: float | None = None) -> RunStatus:
@@ -130,7 +83,8 @@ def run_status(run_dir: pathlib.Path, *, now: float | None = None) -> RunStatus:
     newest = max(outer, default=None)
     root = run_checkpoint_root(run_dir, resolved)
     saved = newest_saved(root)
-    return RunStatus(name=resolved["name"], num_steps=resolved["train"]["num_steps"], launch=_launch(run_dir),
+    return RunStatus(name=resolved["name"], num_steps=resolved["train"]["num_steps"],
+                     launch=lock_holders(run_dir / LOCK_NAME),
                      nodes=nodes, outer_step=newest, members=len(outer[newest]) if newest is not None else None,
                      hashes_agree=len(set(outer[newest].values())) == 1 if newest is not None else None,
                      val_loss=val_loss, saved=saved,
