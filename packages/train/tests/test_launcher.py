@@ -406,3 +406,52 @@ def test_run_files_keep_recipes_of_the_same_name_and_a_joined_launchs_config_apa
     assert json.loads((run_dir / "config.json").read_text()) == first
     assert json.loads((run_dir / "config.joined-1.json").read_text())["overrides"] == ["train.log_every=7"]
     assert (run_dir / "recipe.joined-1" / "debug.py").read_text() == base.read_text()
+
+
+LOCK_LAUNCH_AND_HANG = """
+import pathlib, sys, time
+from openprime.train.processes import NodeProcess, hand_run_lock_to_nodes
+from openprime.train.run_lock import RunDirLock
+if __name__ == "__main__":
+    lock = RunDirLock(pathlib.Path(sys.argv[1]), shared=False)
+    hand_run_lock_to_nodes(lock.fileno)
+    node = NodeProcess(target=time.sleep, args=(120,), name="node-0")
+    node.start()
+    print(node.pid, flush=True)
+    time.sleep(120)
+"""
+
+
+def test_a_killed_launchers_nodes_hold_its_run_directory_until_they_exit(tmp_path):
+    """The nodes hold the run directory's lock with their launcher (the same open lock file): after a kill -9 of the
+    launcher its nodes went on for seconds (a checkpoint write under way: up to checkpoint.stop_wait_s) while a new
+    launch could take the directory and resume beside them. The refusal names the ended launch's nodes."""
+    from openprime.core.errors import ConfigError
+    from openprime.train.run_lock import RunDirLock
+
+    script, run_dir = tmp_path / "launch.py", tmp_path / "run"
+    script.write_text(LOCK_LAUNCH_AND_HANG)
+    launcher = subprocess.Popen([sys.executable, str(script), str(run_dir)], stdout=subprocess.PIPE, text=True)
+    node_pid = None
+    try:
+        node_pid = int(launcher.stdout.readline())
+        os.kill(node_pid, signal.SIGSTOP)  # it cannot leave (it would at once): the window a write keeps open
+        launcher.kill()
+        launcher.wait(timeout=30)
+        try:
+            RunDirLock(run_dir, shared=False)
+            raise AssertionError("a new launch took the directory while the killed launcher's node lived")
+        except ConfigError as e:
+            assert f"the node processes of launch pid {launcher.pid}, which ended" in str(e), e
+        os.kill(node_pid, signal.SIGCONT)  # it sees its launcher gone and leaves
+        deadline = time.monotonic() + 30
+        while not process_ended(node_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert process_ended(node_pid)
+        with RunDirLock(run_dir, shared=False):
+            pass
+    finally:
+        launcher.kill()
+        if node_pid is not None and not process_ended(node_pid):
+            os.kill(node_pid, signal.SIGCONT)
+            os.kill(node_pid, 9)

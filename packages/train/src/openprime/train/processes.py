@@ -120,23 +120,43 @@ def dump_stacks(procs: list[tuple[str, int]], settle_s: float = 0.5) -> list[str
     return asked
 
 
-class _Inherited:
-    """The launching process's stdout, stderr and environment at `NodeProcess.start()`, for the new process.
+# The descriptor of the run directory's lock (openprime.train.run_lock) that the launching process holds, if any:
+# every node process started from now on holds it too (`hand_run_lock_to_nodes`).
+_run_lock_fd: int | None = None
 
-    Pickled with the process object: descriptors 1 and 2 travel with the start request (`reduction.DupFd`:
-    SCM_RIGHTS through the fork server); `adopt()` in the new process points its own 1 and 2 at them.
+
+def hand_run_lock_to_nodes(fd: int | None) -> None:
+    """The node processes started from now on hold the run directory's lock (`fd`, the launcher's lock file) too, as
+    long as they live. The lock is the open file's (flock), so the launch holds its directory until its last node
+    has exited: after a kill -9 of the launcher its nodes went on for seconds (a checkpoint write under way, up to
+    checkpoint.stop_wait_s) while a new launch could take the directory and resume beside them (found 2026-12-07)."""
+    global _run_lock_fd
+    _run_lock_fd = fd
+
+
+class _Inherited:
+    """The launching process's stdout, stderr and environment at `NodeProcess.start()`, for the new process, and the
+    run directory's lock when it holds one (`hand_run_lock_to_nodes`).
+
+    Pickled with the process object: the descriptors travel with the start request (`reduction.DupFd`: SCM_RIGHTS
+    through the fork server); `adopt()` in the new process points its own 1 and 2 at them and keeps the lock's open.
     """
 
     def __init__(self, stdout: Any = None, stderr: Any = None, environ: dict[str, str] | None = None,
-                 launcher_pid: int | None = None) -> None:
+                 launcher_pid: int | None = None, run_lock: Any = None) -> None:
         self._fds = (stdout, stderr)
         self._environ = environ
         self.launcher_pid = launcher_pid
+        self._run_lock = run_lock
+        self.run_lock_fd: int | None = None  # in the node: open until it exits, never closed
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return _Inherited, (reduction.DupFd(1), reduction.DupFd(2), dict(os.environ), os.getpid())
+        lock = reduction.DupFd(_run_lock_fd) if _run_lock_fd is not None else None
+        return _Inherited, (reduction.DupFd(1), reduction.DupFd(2), dict(os.environ), os.getpid(), lock)
 
     def adopt(self) -> None:
+        if self._run_lock is not None:
+            self.run_lock_fd = self._run_lock.detach()
         for target, fd in zip((1, 2), self._fds, strict=True):
             if fd is not None and (fd := fd.detach()) != target:
                 os.dup2(fd, target)

@@ -80,6 +80,11 @@ class RunDirLock:
             os.ftruncate(self._fd, 0)
             os.write(self._fd, (json.dumps(_holder()) + "\n").encode())
 
+    @property
+    def fileno(self) -> int | None:
+        """The lock file's descriptor while this lock holds it (processes that get a copy hold the lock too)."""
+        return self._fd if self._held else None
+
     def release(self) -> None:
         """Let the next launch in. A directory this lock created that holds nothing but the lock file (the launch
         stopped before writing anything) is removed again, as if the launch had not been tried."""
@@ -120,7 +125,16 @@ def _holder() -> dict[str, object]:
 
 
 def _describe(path: pathlib.Path) -> str:
-    return lock_holders(path) or "a launch that joined a run with --join"
+    """Who holds the lock that this launch could not take."""
+    holders = lock_holders(path)
+    if holders is not None:
+        return holders
+    try:  # its launch is gone: its nodes, which hold the lock too until they exit (processes.hand_run_lock_to_nodes)
+        holder = json.loads(path.read_text())
+        return (f"the node processes of launch pid {holder['pid']}, which ended ({holder['command']}); they leave "
+                f"within seconds of it, or once the checkpoint write under way ends (checkpoint.stop_wait_s at most)")
+    except (OSError, ValueError, KeyError, TypeError):
+        return "a launch that joined a run with --join"
 
 
 def lock_holders(path: pathlib.Path) -> str | None:
