@@ -268,6 +268,10 @@ def test_node_started_mid_run_is_admitted_and_both_ranks_get_the_state(start, mo
     # Non-blocking: the state came in the outer step before, which the joiner only watched, and the step it
     # reports first is the one it sat out (DiLoCo.sit_out); its first record covers both (and their bytes).
     assert joined[0]["received_state"]
+    # Its first record holds what the node received catching up, both local ranks' (it held local rank 0's): the
+    # state's shards (29 MB) and two outer steps' rings (20 MB), with the new group's bandwidth probes (34 MB) when
+    # they ran; rank 0's alone were at most 41 MB.
+    assert joined[0]["bytes_received"] > 45e6, joined[0]
     others = {r["state_hash"] for r in records if r["kind"] == "outer" and r["outer_step"] == joined[0]["outer_step"]}
     assert others == {joined[0]["state_hash"]}  # its first outer step ends bit-identical to the others' (rank 0)
     first_local = {r["local_rank"]: r for r in records if r["kind"] == "local_outer" and r["node"] == 2

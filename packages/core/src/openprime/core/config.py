@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import enum
+import math
 import pathlib
 import types
 import typing
@@ -126,19 +127,45 @@ def non_negative_int() -> Callable:
     return all_of(instance_of(int), at_least(0))
 
 
+def finite() -> Callable:
+    """Validator: not inf (NaN fails every bound already). `--set timeouts.connect_s=inf` passed the bounds and
+    ended the launch in a traceback (OverflowError in the rendezvous store), its run directory written."""
+
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if math.isinf(value):
+            raise ConfigError(f"{_where(instance, attribute)} must be finite, got {value!r}")
+
+    return check
+
+
+def below(hi: float) -> Callable:
+    """Validator: value < hi."""
+
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if not value < hi:
+            raise ConfigError(f"{_where(instance, attribute)} must be < {hi}, got {value!r}")
+
+    return check
+
+
 def positive_float() -> Callable:
-    """Validator: a number > 0 (rates, learning rates, timeouts)."""
-    return all_of(instance_of(float), greater_than(0))
+    """Validator: a finite number > 0 (rates, learning rates, timeouts)."""
+    return all_of(instance_of(float), greater_than(0), finite())
 
 
 def non_negative_float() -> Callable:
-    """Validator: a number >= 0."""
-    return all_of(instance_of(float), at_least(0))
+    """Validator: a finite number >= 0."""
+    return all_of(instance_of(float), at_least(0), finite())
 
 
 def unit_interval() -> Callable:
     """Validator: a number in [0, 1] (momenta, fractions)."""
     return all_of(instance_of(float), in_range(0.0, 1.0))
+
+
+def half_open_unit_interval() -> Callable:
+    """Validator: a number in [0, 1) (AdamW's betas: torch refuses 1)."""
+    return all_of(instance_of(float), at_least(0.0), below(1.0))
 
 
 def one_of_enum(enum_cls: type[enum.Enum]) -> Callable:
@@ -245,12 +272,25 @@ def override_all(cfg: T, items: Sequence[tuple[str, str]]) -> T:
             valid = set(config_keys(cfg))
             if any(key not in valid for key, _, _ in failed):
                 raise next(e for key, _, e in failed if key not in valid)  # a typo: its own error, with the keys
+            # A value that does not parse is said as such: failed[0]'s error told of a rule broken by another value
+            # alone, naming the key the user had already set (--set checkpoint.interval_steps=4O, a letter O, read
+            # as "interval 20 is not a multiple of H 40 ... use 40").
+            for key, raw, _ in failed:
+                _parsed(cfg, key, raw)
             try:
                 return _set_together(cfg, [(key, raw) for key, raw, _ in failed])
             except ConfigError:
                 raise failed[0][2] from None
         pending = [(key, raw) for key, raw, _ in failed]
     return cfg
+
+
+def _parsed(cfg: Any, key: str, raw: str) -> Any:
+    """`raw` parsed as the type of the field `key` names (ConfigError if it does not parse)."""
+    *path, name = key.split(".")
+    for part in path:
+        cfg = getattr(cfg, part)
+    return _parse(raw, typing.get_type_hints(type(cfg))[name], key)
 
 
 def _set_together(cfg: T, items: Sequence[tuple[str, str]]) -> T:

@@ -17,6 +17,7 @@ from openprime.core.config import (
     positive_float,
     positive_int,
 )
+from openprime.core.errors import ConfigError
 
 
 @config
@@ -50,6 +51,18 @@ class MeshConfig:
     run_id: str = field("openprime", doc="name of the run; messages of another run are refused",
                         validator=instance_of(str))
     secret_file: str | None = field(None, doc="shared secret that signs every message (None: unsigned)")
+
+    def __attrs_post_init__(self) -> None:
+        if self.min_nodes > self.max_nodes:
+            raise ConfigError(f"mesh.min_nodes {self.min_nodes} is more than mesh.max_nodes {self.max_nodes}, the "
+                              f"data slots (one a node): the first view would never form. Set mesh.min_nodes="
+                              f"{self.max_nodes} or less, or mesh.max_nodes={self.min_nodes}")
+        if self.sync_timeout_s < 3 * self.eviction_timeout_s:
+            raise ConfigError(f"mesh.sync_timeout_s {self.sync_timeout_s:g} is under three eviction timeouts "
+                              f"(mesh.heartbeat_interval_s x mesh.num_missed_heartbeats = "
+                              f"{self.eviction_timeout_s:g} s): the members would give up on the barrier before a "
+                              f"dead node is evicted and the others go on without it. Set mesh.sync_timeout_s="
+                              f"{3 * self.eviction_timeout_s:g} or more")
 
     @property
     def eviction_timeout_s(self) -> float:

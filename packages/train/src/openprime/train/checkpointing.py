@@ -157,12 +157,13 @@ def sharded_like(tree: Any, like: Any) -> Any:
 
 
 def checkpoint_root(cfg: CheckpointConfig, run_dir: pathlib.Path) -> pathlib.Path:
-    return pathlib.Path(cfg.directory) if cfg.directory else run_dir / "checkpoints"
+    return pathlib.Path(cfg.directory).expanduser() if cfg.directory else run_dir / "checkpoints"
 
 
 def run_checkpoint_root(run_dir: pathlib.Path, resolved: dict[str, Any]) -> pathlib.Path:
     """checkpoint_root of a run from the resolved config its config.json holds (`to_dict` of its RunConfig)."""
-    return pathlib.Path(resolved["checkpoint"]["directory"] or run_dir / "checkpoints")
+    directory = resolved["checkpoint"]["directory"]
+    return pathlib.Path(directory).expanduser() if directory else run_dir / "checkpoints"
 
 
 def resolved_config(run_dir: pathlib.Path) -> dict[str, Any] | None:

@@ -14,13 +14,13 @@ from openprime.ckpt import CheckpointConfig, SaveMode
 from openprime.core.config import (
     config,
     field,
+    half_open_unit_interval,
     instance_of,
     non_negative_float,
     non_negative_int,
     one_of_enum,
     positive_float,
     positive_int,
-    unit_interval,
 )
 from openprime.core.errors import ConfigError
 from openprime.core.streams import StreamTransportConfig
@@ -38,8 +38,8 @@ class OptimizerConfig:
     """The inner optimizer: AdamW with gradient clipping (INTELLECT-1, Appendix A)."""
 
     lr: float = field(7.5e-5, doc="peak inner learning rate", validator=positive_float())
-    beta1: float = field(0.9, doc="AdamW beta1", validator=unit_interval())
-    beta2: float = field(0.95, doc="AdamW beta2", validator=unit_interval())
+    beta1: float = field(0.9, doc="AdamW beta1", validator=half_open_unit_interval())
+    beta2: float = field(0.95, doc="AdamW beta2", validator=half_open_unit_interval())
     eps: float = field(1e-8, doc="AdamW epsilon", validator=positive_float())
     weight_decay: float = field(0.1, doc="AdamW decoupled weight decay", validator=non_negative_float())
     max_grad_norm: float = field(1.0, doc="clip the global gradient norm to this", validator=positive_float())
@@ -192,12 +192,32 @@ class RunConfig:
         if self.train.stop_after_outer_steps > self.num_outer_steps:
             raise ConfigError(f"train.stop_after_outer_steps {self.train.stop_after_outer_steps} is beyond the "
                               f"run's {self.num_outer_steps} outer steps; use 0 to run to the end")
+        if self.train.stop_after_outer_steps and self.checkpoint.mode is SaveMode.OFF:
+            raise ConfigError(f"train.stop_after_outer_steps {self.train.stop_after_outer_steps} stops a run that "
+                              f"saves no checkpoint (checkpoint.mode=off): it could not be continued. Set "
+                              f"checkpoint.mode=async, or train.stop_after_outer_steps=0")
+        if self.train.eval_every and self.data.val_fraction == 0:
+            raise ConfigError(f"train.eval_every {self.train.eval_every} evaluates on the validation split, but "
+                              f"data.val_fraction is 0 (no validation data): set data.val_fraction=0.01, or "
+                              f"train.eval_every=0")
+        self._check_transport_timeouts()
         self._check_batch_split()
         if self.train.strategy is Strategy.DATA_PARALLEL and self.checkpoint.mode is not SaveMode.OFF:
             raise ConfigError("train.strategy=data_parallel does not checkpoint (it is the baseline DiLoCo is "
                               "measured against); set checkpoint.mode=off")
         validate_schedule(num_warmup_steps=self.schedule.num_warmup_steps,
                           num_decay_steps=self.schedule.num_decay_steps, num_steps=self.train.num_steps)
+
+    def _check_transport_timeouts(self) -> None:
+        """The transports connect within timeouts.connect_s (openprime.train.transports): their own
+        connect_timeout_s, settable, was replaced without a word."""
+        options = self.transport.options
+        default = attrs.fields(type(options)).connect_timeout_s.default
+        if options.connect_timeout_s not in (default, self.timeouts.connect_s):
+            raise ConfigError(f"transport.options.connect_timeout_s {options.connect_timeout_s} is not used: a run's "
+                              f"transports connect within timeouts.connect_s ({self.timeouts.connect_s}), which the "
+                              f"other deadlines derive from. Set timeouts.connect_s={options.connect_timeout_s} "
+                              f"instead")
 
     def _check_batch_split(self) -> None:
         """batch_size = local ranks x micro-batches per rank x micro_batch_size, exactly."""

@@ -121,8 +121,9 @@ def write_run_files(run_dir: pathlib.Path, cfg: RunConfig, *, recipe: pathlib.Pa
 
 
 def launch_config(cfg: RunConfig, num_nodes: int) -> RunConfig:
-    """The config a launch of `num_nodes` nodes runs: its first view waits for all of them (mesh.min_nodes)."""
-    return attrs.evolve(cfg, mesh=attrs.evolve(cfg.mesh, min_nodes=num_nodes))
+    """The config a launch of `num_nodes` nodes runs: its first view waits for all of them, and for more when the
+    recipe's mesh.min_nodes asks for more (nodes that --join from other machines; it was replaced without a word)."""
+    return attrs.evolve(cfg, mesh=attrs.evolve(cfg.mesh, min_nodes=max(cfg.mesh.min_nodes, num_nodes)))
 
 
 # How long a stopped node process has to leave (its deathrattle, closing its mesh) before SIGKILL, when no

@@ -61,11 +61,7 @@ class Progress:
         step = n.counters.num_inner_steps_done
         if result is not None:
             self.clock.outer_s += result.total_s
-            # Each local rank's ring carries its shard: the node's traffic is the sum over its ranks.
-            node_sent, node_received = local_sum([result.bytes_sent, result.bytes_received], n.local_mesh)
-            self.outer = attrs.evolve(result, bytes_sent=int(node_sent), bytes_received=int(node_received))
-            self.sent += self.outer.bytes_sent
-            n.report_outer(step, self.outer, compute_utilisation=self.clock.compute_utilisation())
+            self.outer_done(step, result, compute_utilisation=self.clock.compute_utilisation())
         last = step == cfg.train.num_steps
         num_nodes = len(n.mesh.view.members) if n.mesh.view else 1
         if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or last):
@@ -80,6 +76,15 @@ class Progress:
                                 tokens_per_s=window_tokens_per_s, outer_steps=n.counters.num_outer_steps_done,
                                 bytes_sent=self.sent, lr=lr, compute_utilisation=self.clock.compute_utilisation(),
                                 mfu=self._mfu(window_tokens_per_s), num_nodes=num_nodes))
+
+    def outer_done(self, step: int, result: OuterStepResult, *, compute_utilisation: float | None = None) -> None:
+        """Record an outer step (or a joiner's catching up) with the node's bytes: each local rank's ring carries
+        its shard, so the node's traffic is the sum over its ranks. A joiner's catching up was recorded with local
+        rank 0's bytes only, half of a 2-rank node's state transfer (found 2026-12-07)."""
+        node_sent, node_received = local_sum([result.bytes_sent, result.bytes_received], self.n.local_mesh)
+        self.outer = attrs.evolve(result, bytes_sent=int(node_sent), bytes_received=int(node_received))
+        self.sent += self.outer.bytes_sent
+        self.n.report_outer(step, self.outer, compute_utilisation=compute_utilisation)
 
     def _mfu(self, tokens_per_s: float) -> float | None:
         return model_flops_utilisation(tokens_per_s=tokens_per_s, flops_per_token=self.flops_per_token,

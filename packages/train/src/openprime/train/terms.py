@@ -37,7 +37,15 @@ def _flat(prefix: str, tree: dict[str, Any], out: dict[str, str]) -> None:
         if isinstance(value, dict):
             _flat(f"{prefix}{key}.", value, out)
         else:
-            out[f"{prefix}{key}"] = json.dumps(value, sort_keys=True)
+            out[f"{prefix}{key}"] = _term(value)
+
+
+def _term(value: Any) -> str:
+    """A term's JSON, a whole float as an int: a recipe that wrote `max_grad_norm=1` held the same config as one
+    with 1.0 (they compare equal), and its nodes were refused as disagreeing ("1 there, 1.0 in the run")."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return json.dumps(value, sort_keys=True)
 
 
 def run_terms(cfg: RunConfig, prepared: PreparedData) -> dict[str, str]:
@@ -56,6 +64,8 @@ def run_terms(cfg: RunConfig, prepared: PreparedData) -> dict[str, str]:
     terms[SLOTS_TERM] = json.dumps(cfg.mesh.max_nodes)  # the number of data slots the data is cut into
     terms["data.seed"] = json.dumps(cfg.data.seed)
     terms["data.val_fraction"] = json.dumps(cfg.data.val_fraction)
+    # The weights are relative (DataConfig): 0.5 and 0.5 are 1 and 1.
+    total = sum(entry.weight for entry in cfg.data.mixture)
     for i, (entry, source) in enumerate(zip(cfg.data.mixture, prepared.sources, strict=True)):
-        terms[f"data.source[{i}]"] = json.dumps({"weight": entry.weight, "tokens_sha256": source.tokens_sha256})
+        terms[f"data.source[{i}]"] = json.dumps({"weight": entry.weight / total, "tokens_sha256": source.tokens_sha256})
     return terms

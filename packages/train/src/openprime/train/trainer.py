@@ -217,6 +217,7 @@ class Node:
         tensorboard = cfg.metrics.tensorboard is TensorBoard.AUTO and tensorboard_installed() and local_rank == 0
         self.metrics = MetricsWriter(run_dir, node, tensorboard_dir=run_dir / "tensorboard" if tensorboard else None)
         self.ckpt: Checkpointer | None = None
+        self.caught_up: OuterStepResult | None = None  # a joiner's catching up, in `start`
         # The run is under way: get its state at the next outer step (a resumed run restarts all its nodes).
         self.joining = self.mesh.joined_epoch > 0 and resume is None
         # A coordinator that restarted after every node of the run was gone knows no run (epoch 0), and a node
@@ -266,7 +267,7 @@ class Node:
                     raise
                 raise JoinRefused(f"{e} (this node joined without a checkpoint because {self.run_dir} holds that "
                                   f"run's outer steps: a new run needs another --run-dir)") from e
-            self.report_outer(self.diloco.num_inner_steps_done, result)
+            self.caught_up = result  # recorded by the loop's Progress, with every local rank's bytes
         else:
             self._open_slot()
         if resume is not None:
@@ -427,6 +428,8 @@ def run_node(cfg: RunConfig, *, node: int, coordinator: str, run_dir: pathlib.Pa
             n.say(f"[node {node}] already past train.stop_after_outer_steps={stop_at}: running to the end")
             stop_at = 0
         progress = Progress(cfg, n)
+        if n.caught_up is not None:
+            progress.outer_done(counters.num_inner_steps_done, n.caught_up)
         guard = NonFiniteSteps(num_to_stop=cfg.num_nonfinite_steps_to_stop, lr=cfg.optim.lr, say=n.say,
                                node=node)
         while (step := counters.num_inner_steps_done + 1) <= cfg.train.num_steps:

@@ -241,7 +241,7 @@ def prepare_data(cfg: DataConfig) -> PreparedData:
     ConfigError naming the source and the path when a local source is missing, empty or unreadable.
     """
     key = cache_key(cfg)
-    directory = pathlib.Path(cfg.cache_dir) if cfg.cache_dir is not None else default_cache_dir()
+    directory = pathlib.Path(cfg.cache_dir).expanduser() if cfg.cache_dir is not None else default_cache_dir()
     directory = directory / f"data-{key}"
     meta = _read_complete_entry(directory, key)
     if meta is not None:
