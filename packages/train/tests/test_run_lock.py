@@ -54,13 +54,8 @@ def test_a_directory_made_for_a_launch_that_wrote_nothing_is_removed(tmp_path):
 
 
 def test_the_lock_goes_with_its_holder_when_it_is_killed(tmp_path):
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import pathlib, sys; from openprime.train.run_lock import RunDirLock; "
-         f"lock = RunDirLock(pathlib.Path({str(tmp_path)!r}), shared=False); print('held', flush=True); "
-         "sys.stdin.read()"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    holder = _holding(tmp_path, shared=False)
     try:
-        assert holder.stdout.readline().strip() == "held"
         with pytest.raises(ConfigError, match=rf"pid {holder.pid}, started "):
             RunDirLock(tmp_path, shared=False)
         holder.send_signal(signal.SIGKILL)
@@ -134,16 +129,22 @@ def test_a_refusal_names_the_launch_that_holds_the_directory_not_one_killed_befo
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": int(dead.stdout), "host": os.uname().nodename,
                                                   "started": "then", "command": "openprime run killed.py"}) + "\n")
-    joined = subprocess.Popen(
-        [sys.executable, "-c", "import pathlib, sys; from openprime.train.run_lock import RunDirLock; "
-         f"lock = RunDirLock(pathlib.Path({str(tmp_path)!r}), shared=True); print('held', flush=True); "
-         "sys.stdin.read()"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    joined = _holding(tmp_path, shared=True)
     try:
-        assert joined.stdout.readline().strip() == "held"
         with pytest.raises(ConfigError) as e:
             RunDirLock(tmp_path, shared=False)
         assert f"pid {joined.pid}, joined to a coordinator: " in str(e.value) and "killed.py" not in str(e.value)
     finally:
         joined.kill()
         joined.wait(timeout=30)
+
+
+def _holding(run_dir: pathlib.Path, *, shared: bool) -> subprocess.Popen:
+    """Another process that holds `run_dir`'s lock until its stdin closes (or it is killed)."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import pathlib, sys; from openprime.train.run_lock import RunDirLock; "
+         f"lock = RunDirLock(pathlib.Path({str(run_dir)!r}), shared={shared}); print('held', flush=True); "
+         "sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
