@@ -250,3 +250,43 @@ def test_a_replica_evicted_and_rejoined_reports_the_state_it_holds():
     assert diloco.has_state
     diloco.sync(contribute=False)
     assert Records.reported == [(held, 3)]
+
+
+class StallsChunks(ForwardingTransport):
+    """A donor's link that stops carrying state chunks (a link that stalls, no error) until released."""
+
+    def __init__(self, inner) -> None:
+        super().__init__(inner)
+        self.released = threading.Event()
+
+    def isend(self, peer, tag, buffers, *, deadline):
+        if tag == TAG_STATE:
+            self.released.wait(timeout=30)
+        return super().isend(peer, tag, buffers, deadline=deadline)
+
+
+class CountsAbandons(Admits):
+    def abandon(self) -> None:
+        CountsAbandons.abandoned.append(self.transport.rank)
+        super().abandon()
+
+
+def test_a_non_blocking_joiner_whose_receive_failed_closes_its_group():
+    """The state's chunks stall and the joiner's receive passes its deadline after the commit: it closes the
+    group (Membership.abandon), whose receives still posted would be filled if the donor's bytes came after all,
+    in a later fetch's checked chunks (StateFetch.fetch). It kept the group for the next outer step before."""
+    Admits.stateless, Admits.step, CountsAbandons.abandoned = {}, 2, []
+    theta0 = torch.randn(4096, generator=torch.Generator().manual_seed(0))
+    config = DiLoCoConfig(num_inner_steps=5, recovery=RecoveryMode.NON_BLOCKING)
+    local, barrier = local_group(3), threading.Barrier(3)
+    stalls = StallsChunks(local[0])
+    transports = [stalls, local[1], local[2]]
+    params = [torch.nn.Parameter(theta0.clone() if r < 2 else torch.zeros(4096)) for r in range(3)]
+    dilocos = [DiLoCo([params[r]], config=config, timeouts=Timeouts(op_s=0.2), membership=CountsAbandons(t, barrier),
+                      joining=r == 2, extra=FakeOptimizer(float(r + 1))) for r, t in enumerate(transports)]
+    for d in dilocos[:2]:
+        d.num_outer_steps_done, d.num_inner_steps_done = 2, 15
+    run_threads([dilocos[0].sync, dilocos[1].sync, lambda: dilocos[2].sync(contribute=False)])
+    assert not dilocos[2].has_state and CountsAbandons.abandoned == [2]
+    stalls.released.set()
+    dilocos[0].recovery.finish_background()

@@ -1,10 +1,12 @@
-"""A state fetch whose donor timed out leaves no receive that can write into the state a later fetch checked.
+"""A state fetch whose donor timed out leaves receives posted on its transport: closed, they cannot write into the
+state a later fetch checked.
 
 The TCP transport fills a posted receive as its bytes arrive. A joiner keeps IN_FLIGHT chunk receives posted; when
-one passes its deadline the fetch fails, and the others stayed posted. Received in place, they were filled when the
+one passes its deadline the fetch fails, and the others stay posted. On the same transport they were filled when the
 slow donor's bytes came after all: in chunks that the next donor had sent and that had passed their checksums and
-the state hash (found by a review, 2026-12-07; over zmq too). The chunks now land in staging buffers of the fetch
-and are copied into the state only once checked.
+the state hash (found by a review, 2026-12-07; over zmq too). The contract (StateFetch.fetch): close the transport
+of a failed fetch before the next one, as DiLoCo does (a failed try closes its group; a non-blocking joiner's
+failed receive abandons it, which it did not before).
 """
 
 import contextlib
@@ -61,6 +63,7 @@ class _Freezes(ForwardingTransport):
 
 def test_late_chunks_of_a_donor_that_timed_out_do_not_land_in_the_next_donors_checked_state():
     a, b, joiner = _group(3, "late-chunks")
+    again = []
     try:
         theta, momentum = torch.zeros(1500), torch.zeros(700)
         fetch = StateFetch(targets={"theta": theta, "momentum": momentum})
@@ -71,17 +74,19 @@ def test_late_chunks_of_a_donor_that_timed_out_do_not_land_in_the_next_donors_ch
         with pytest.raises(PeerFailure):  # the frozen donor's chunk passes its deadline
             fetch.fetch(joiner, 0, deadline=time.monotonic() + 30, op_s=0.1)
         assert sorted(fetch.received) == [0, 1]
+        joiner.close()  # as DiLoCo closes the group of a failed fetch; the next outer step builds a new one
+        again = _group(2, "late-chunks-again")
         newer = _offer(4, "B@2", seed=4)  # the next outer step's state, from another donor
-        _, complete = run_threads([lambda: send_state(b, 2, newer, deadline=time.monotonic() + 30),
-                                   lambda: fetch.fetch(joiner, 1, deadline=time.monotonic() + 30, op_s=1.0)])
+        _, complete = run_threads([lambda: send_state(again[0], 1, newer, deadline=time.monotonic() + 30),
+                                   lambda: fetch.fetch(again[1], 0, deadline=time.monotonic() + 30, op_s=1.0)])
         assert complete and torch.equal(theta, newer.tensors["theta"])
-        slow.released.set()  # the first donor's late chunks arrive
+        slow.released.set()  # the first donor's late chunks go out
         sender.join(10)
         time.sleep(0.5)
         assert torch.equal(theta, newer.tensors["theta"]) and torch.equal(momentum, newer.tensors["momentum"])
         assert torch.equal(fetch.tensors["exp_avg"], newer.tensors["exp_avg"])
     finally:
-        for t in (a, b, joiner):
+        for t in (a, b, joiner, *again):
             t.close()
 
 
