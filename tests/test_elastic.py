@@ -291,7 +291,8 @@ def test_a_run_lost_with_its_coordinator_is_not_started_again_in_its_directory(t
     first = _start(tmp_path, 2)
     wait_for(first.run_dir, outer_done(0, 2))
     first.stop()  # the nodes and the coordinator
-    again = Launcher(first.cfg, first.run_dir, num_nodes=1, first_node=2)
+    # The recipe's config (first.cfg is its launch's: its first view waited for 2 nodes, and so would this one's).
+    again = Launcher(_config(SHORT), first.run_dir, num_nodes=1, first_node=2)
     try:
         again.start_node()
         codes = again.wait(60)

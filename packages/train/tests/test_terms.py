@@ -63,7 +63,9 @@ def test_other_data_is_named_by_source(cfg):
     assert _differ(terms, run_terms(fewer, prepare_data(fewer.data))) == ["data.source[0]", "data.source[1]"]
     weighted = (WeightedSource(source=Source.KJV, weight=3.0), WeightedSource(source=Source.CPYTHON))
     reweighted = attrs.evolve(cfg, data=attrs.evolve(cfg.data, mixture=weighted))
-    assert _differ(terms, run_terms(reweighted, prepare_data(reweighted.data))) == ["data.source[0]"]
+    # The weights are relative: 3 to 1 gives both sources other shares (0.75 and 0.25 for 0.5 and 0.5).
+    assert _differ(terms, run_terms(reweighted, prepare_data(reweighted.data))) == ["data.source[0]",
+                                                                                   "data.source[1]"]
 
 
 def test_another_secret_or_run_id_is_named_and_the_same_secret_elsewhere_agrees(cfg, tmp_path):
