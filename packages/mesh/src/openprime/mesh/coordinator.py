@@ -213,8 +213,24 @@ class Coordinator:
             return None
         record.incarnation = incarnation
         record.last_seen = self._now()
+        if record.slot < 0 <= message["slot"] < self.num_slots:
+            # A member adopted with a placeholder slot (a restart): its own, from any message's belief. It got it
+            # back only at its next sync, an outer step's compute later, and a node that joined meanwhile was
+            # granted it, both then reading that slot (found 2026-12-07).
+            self._reclaim_slot(node, message["slot"])
         self._settle_from(message)
         return record
+
+    def _reclaim_slot(self, member: str, slot: int) -> None:
+        """Give a member of the adopted view its own data slot (the node reads it, whatever the coordinator says); a
+        node that joined this restarted coordinator before the member reported back and was granted that slot
+        joins again (it was admitted to no view yet)."""
+        for other, record in list(self.nodes.items()):
+            if other != member and record.slot == slot and other not in self.members:
+                self._remove(other, f"was granted data slot {slot}, which member {member} holds (the coordinator "
+                                    f"restarted); it joins again")
+        self.nodes[member].slot = slot
+        self.slots_held.add(slot)
 
     def _settle_from(self, message: dict) -> None:
         """A member's message that shows how the open try was decided before this coordinator restarted settles
@@ -254,7 +270,8 @@ class Coordinator:
             if node not in self.nodes:
                 # Members get one eviction timeout to speak for themselves; slots come from their reports.
                 self.nodes[node] = NodeRecord(node=node, incarnation="", slot=-1 - i, last_seen=now, joined_at=now)
-        self.nodes[message["node"]].slot = self._valid_slot(message["node"], message["slot"])
+        if 0 <= message["slot"] < self.num_slots:
+            self._reclaim_slot(message["node"], message["slot"])
         # The view's donor and joiners are timed by their transfer, in its commit (blocking recovery) and at the
         # barrier after it (non-blocking): without them a restart in the middle of a transfer (INTELLECT-1's took
         # 30-60 minutes) evicted both once the first member had waited an outer step's compute.

@@ -43,6 +43,7 @@ _FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "status": {},
 }
 _BELIEF: dict[str, type | tuple[type, ...]] = {"epoch": int, "members": list, "step": int, "slot": int}
+MAX_COUNTER = 1 << 62  # epochs, steps, attempts and slots stay far below (a msgpack int is 64 bits)
 
 
 class BadMessage(OpenPrimeError):
@@ -100,6 +101,13 @@ def check_request(message: dict[str, Any]) -> str:
             raise BadMessage(f"{op}: field {name!r} missing or not {getattr(kind, '__name__', kind)}")
     if op != "status" and not all(isinstance(m, str) for m in message["members"]):
         raise BadMessage(f"{op}: members must be node ids")
+    if op != "status" and len(set(message["members"])) != len(message["members"]):
+        raise BadMessage(f"{op}: members must be distinct node ids")
+    for name in ("epoch", "step", "attempt", "slot", "hash_step"):
+        # An epoch of 2**64 - 1, adopted, overflowed msgpack in the next view's reply and ended the serve loop.
+        value = message.get(name)
+        if isinstance(value, int) and not -1 <= value < MAX_COUNTER:
+            raise BadMessage(f"{op}: {name} {value} is outside [-1, {MAX_COUNTER})")
     for name in ("new", "unreachable"):  # optional: the nodes the view admitted; those a member could not reach
         nodes = message.get(name)
         if nodes is not None and not (isinstance(nodes, list) and all(isinstance(m, str) for m in nodes)):
