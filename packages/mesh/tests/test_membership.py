@@ -66,21 +66,24 @@ def test_a_failed_try_is_retried_by_all_then_skipped(coordinator):
     _close(clients)
 
 
-def test_a_later_run_s_tries_are_decided_on_their_own_reports_not_an_earlier_run_s(coordinator):
-    """Every node of a run leaves; a new run (started anew, or resumed from an older step) reaches the same outer step
-    and try against the same coordinator. Its tries are new tries: before 2026-12-07 the coordinator answered them
-    with the earlier run's decision at once, "apply" to a member whose all-reduce had failed."""
+@pytest.mark.parametrize("ids", ["later", "node"])
+def test_a_later_run_s_first_view_has_a_new_epoch_even_with_the_earlier_run_s_node_ids(coordinator, ids):
+    """Nodes with fixed ids (a cluster's host names) start a later run against the coordinator of an earlier one
+    whose nodes all left: the same members in the same ring order. Before 2026-12-07 its first view kept the earlier
+    run's epoch, so its first try (epoch, step 0, try 0) was answered with the earlier run's decision, and its groups
+    met under the earlier run's rendezvous keys. With other ids (or a resume from an older step) the tries are new
+    tries too: before 2026-12-07 the earlier run's decision, "apply", was given to a member whose all-reduce failed."""
     first = _clients(coordinator, 2)
-    run_threads([lambda c=c: c.sync(0) for c in first])
+    epoch = run_threads([lambda c=c: c.sync(0) for c in first])[0].epoch
     assert run_threads([lambda c=c: c.commit(0, 0, True) for c in first]) == [True, True]
     _close(first)
     while coordinator.nodes:
         time.sleep(0.02)
-    later = [MeshClient(coordinator.address, FAST, node_id=f"later-{i}") for i in range(2)]
+    later = [MeshClient(coordinator.address, FAST, node_id=f"{ids}-{i}") for i in range(2)]
     for c in later:
         c.join()
     views = run_threads([lambda c=c: c.sync(0) for c in later])
-    assert views[0].epoch > 1 and (views[0].step, views[0].attempt) == (0, 0)
+    assert views[0].epoch > epoch and (views[0].step, views[0].attempt) == (0, 0)
     assert run_threads([lambda: later[0].commit(0, 0, True), lambda: later[1].commit(0, 0, False)]) == [False, False]
     _close(later)
 
@@ -244,6 +247,28 @@ def test_first_view_of_a_fresh_run_lists_no_node_as_new(coordinator):
     views = run_threads([lambda c=c: c.sync(0, state_hash="init", hash_step=-1) for c in clients])
     assert views[0].new == () and views[0].step == 0
     _close(clients)
+
+
+def test_a_member_restarted_under_its_own_id_is_a_joiner_and_takes_the_state(coordinator):
+    """A node with a fixed id (a host name) crashes and is started again before the next outer step's barrier. It
+    is a new process without the run's state: before 2026-12-07 the coordinator counted it as the live member of
+    the last view that its id named, as holding the state at the barrier's step, and in the same groups (the same
+    epoch): its initial weights entered the average and the replicas drifted apart."""
+    clients = _clients(coordinator, 2)
+    epoch = run_threads([lambda c=c: c.sync(0, state_hash="init", hash_step=-1) for c in clients])[0].epoch
+    run_threads([lambda c=c: c.commit(0, 0, True) for c in clients])
+    clients[1].close()
+    while "node-1" in coordinator.nodes:
+        time.sleep(0.02)
+    again = MeshClient(coordinator.address, FAST, node_id="node-1")
+    again.join()
+    views = run_threads([lambda: clients[0].sync(1, state_hash="h0", hash_step=0),
+                         lambda: again.sync(0, state_hash="init", hash_step=-1)])
+    assert len(set(views)) == 1
+    view = views[0]
+    assert view.step == 1 and view.new == ("node-1",) and view.donor == "node-0" and view.state_hash == "h0"
+    assert view.epoch > epoch
+    _close([clients[0], again])
 
 
 def _run_whose_nodes_are_gone(coordinator):

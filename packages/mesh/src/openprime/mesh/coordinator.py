@@ -331,6 +331,13 @@ class Coordinator:
             now = self._now()
             record = NodeRecord(node=node, incarnation=message["incarnation"], slot=slot, last_seen=now, joined_at=now)
             self.nodes[node] = record
+            if node in self.members:
+                # A new process under the id of a member of the last view that was removed (an id fixed by the
+                # caller, e.g. a host name): a joiner like any other, not that member. Counted as it, it held the
+                # run's state at the barrier with its own (initial or older) weights, in the same groups.
+                self.members = [m for m in self.members if m != node]
+                log.warning("node %s joined again as a new process after it was removed: it joins as a new node "
+                            "and takes the run's state from a member", node)
             log.info("node %s joined (slot %d); it is admitted at the next outer step", node, slot)
         return {"op": "joined", "slot": record.slot, "epoch": self.epoch, "step": self.step, "store": self.store,
                 "slot_state": self.slot_states.get(record.slot)}
@@ -488,8 +495,11 @@ class Coordinator:
         members = self._ring_order(live_members, joiners)
         if live_members:
             self.blame.admitted(joiners)  # joining a ring that works; they prove themselves in an applied step
-        if members != self.members:
-            self.epoch += 1  # a new set, or the same set in a new order: either way new groups
+        if members != self.members or not live_members:
+            # A new set, or the same set in a new order: either way new groups. A first view (no live member) is a
+            # new run's even with the earlier run's members in the same order (fixed node ids): its tries must not
+            # meet the earlier run's decisions (keyed by epoch, step and try) nor its groups' rendezvous keys.
+            self.epoch += 1
         self.members, self.step = members, step
         skip = attempt >= self.config.num_all_reduce_tries
         # The hash the state holders agree their state has (after the previous outer step): the new nodes

@@ -157,12 +157,16 @@ def sharded_like(tree: Any, like: Any) -> Any:
 
 
 def checkpoint_root(cfg: CheckpointConfig, run_dir: pathlib.Path) -> pathlib.Path:
-    return pathlib.Path(cfg.directory).expanduser() if cfg.directory else run_dir / "checkpoints"
+    """Where a run's checkpoints go: checkpoint.directory (`~` expanded) if set, else the run directory's own."""
+    return _root(cfg.directory, run_dir)
 
 
 def run_checkpoint_root(run_dir: pathlib.Path, resolved: dict[str, Any]) -> pathlib.Path:
     """checkpoint_root of a run from the resolved config its config.json holds (`to_dict` of its RunConfig)."""
-    directory = resolved["checkpoint"]["directory"]
+    return _root(resolved["checkpoint"]["directory"], run_dir)
+
+
+def _root(directory: str | None, run_dir: pathlib.Path) -> pathlib.Path:
     return pathlib.Path(directory).expanduser() if directory else run_dir / "checkpoints"
 
 
