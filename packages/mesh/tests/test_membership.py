@@ -271,6 +271,27 @@ def test_a_member_restarted_under_its_own_id_is_a_joiner_and_takes_the_state(coo
     _close([clients[0], again])
 
 
+def test_an_error_in_the_coordinator_s_periodic_work_is_logged_once_and_it_goes_on_serving(coordinator, caplog):
+    """Before 2026-12-07 an exception in the barrier, commit or eviction pass ended the coordinator's thread: a
+    launch's coordinator stopped answering without a word and its nodes waited out their sync timeouts."""
+    original, failures = coordinator._try_barrier, []
+
+    def failing_twice():
+        if len(failures) < 2:
+            failures.append(1)
+            raise RuntimeError("a bug in the barrier")
+        original()
+
+    coordinator._try_barrier = failing_twice
+    with caplog.at_level(logging.ERROR, logger="openprime.mesh.coordinator"):
+        clients = _clients(coordinator, 2)
+        views = run_threads([lambda c=c: c.sync(0) for c in clients])
+    assert len(failures) == 2 and len(set(views)) == 1 and views[0].step == 0
+    logged = [r for r in caplog.records if "periodic work" in r.getMessage()]
+    assert len(logged) == 1 and "a bug in the barrier" in logged[0].exc_text
+    _close(clients)
+
+
 def _run_whose_nodes_are_gone(coordinator):
     """Two nodes finish outer steps 0 and 1, then both leave: the coordinator knows a run at outer step 2."""
     clients = _clients(coordinator, 2)

@@ -108,6 +108,7 @@ class Coordinator:
         self.members: list[str] = []
         self.step = 0
         self._waiting: dict[str, tuple[bytes, int, dict]] = {}  # node -> (route, req, message) at the barrier
+        self._periodic_errors: set[str] = set()  # errors of the periodic work already logged
         self._viewed: dict[tuple[str, str], int] = {}  # (node, incarnation) -> the last sync request answered
         self._clock = StragglerClock(config)  # who is late at the barrier or in the commit (stragglers.py)
         self.hashes: dict[int, dict[str, str]] = {}
@@ -150,9 +151,22 @@ class Coordinator:
                 while self._sock.poll(0):
                     frames = self._sock.recv_multipart()
                     self._handle(frames)
+            self._periodic()
+
+    def _periodic(self) -> None:
+        """The work of every pass: evictions, barriers, commits. An error in it is logged (once per distinct error)
+        and the loop goes on, as for a message (`_handle`): it ended the loop's thread, and with it a launch's
+        coordinator, without a word to the nodes, who then waited out their sync timeouts."""
+        try:
             self._evict_silent(self._now())
             self._try_barrier()
             self._try_commit()
+        except Exception as e:
+            seen = f"{type(e).__name__}: {e}"
+            if seen not in self._periodic_errors:
+                self._periodic_errors.add(seen)
+                log.exception("coordinator failed in its periodic work (evictions, barrier, commit); it goes on "
+                              "serving. Please report this with the log")
 
     def _now(self) -> float:
         """The coordinator's clock: time.monotonic() less the time this process did not run. Every silence,
