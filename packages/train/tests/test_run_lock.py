@@ -11,7 +11,7 @@ import pytest
 
 from openprime.core.errors import ConfigError
 from openprime.train import cli, run_lock
-from openprime.train.run_lock import LOCK_NAME, RunDirLock
+from openprime.train.run_lock import JOINED_LOCK_NAME, LOCK_NAME, RunDirLock
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 
@@ -46,7 +46,7 @@ def test_a_directory_made_for_a_launch_that_wrote_nothing_is_removed(tmp_path):
     assert not (tmp_path / "tried").exists()
     with RunDirLock(tmp_path / "ran", shared=False):
         (tmp_path / "ran" / "config.json").write_text("{}")
-    assert sorted(p.name for p in (tmp_path / "ran").iterdir()) == [LOCK_NAME, "config.json"]
+    assert sorted(p.name for p in (tmp_path / "ran").iterdir()) == sorted([LOCK_NAME, JOINED_LOCK_NAME, "config.json"])
     (tmp_path / "existing").mkdir()
     with RunDirLock(tmp_path / "existing", shared=False):
         pass
@@ -73,7 +73,7 @@ def test_openprime_run_in_a_directory_in_use_starts_nothing(tmp_path, capsys):
         code = cli.main(["run", str(REPO / "recipes" / "debug.py"), "--nodes", "1", "--run-dir", str(run_dir)])
         assert code == 2
         assert f"{run_dir} is in use by another openprime launch" in capsys.readouterr().err
-        assert [p.name for p in run_dir.iterdir()] == [LOCK_NAME]  # no config written, no node started
+        assert {p.name for p in run_dir.iterdir()} == {LOCK_NAME, JOINED_LOCK_NAME}  # no config, no node started
 
 
 def test_a_launch_joins_into_a_directory_in_use_only_for_the_run_there(tmp_path, capsys, monkeypatch):
@@ -102,6 +102,27 @@ def test_a_launch_joins_into_a_directory_in_use_only_for_the_run_there(tmp_path,
     finally:
         live.close()
         coordinator.stop()
+
+
+def test_a_launch_joined_beside_a_run_holds_the_directory_after_that_run_ends(tmp_path):
+    """A --join launch writing beside a launch with its own coordinator could not take the directory's lock and held
+    none: once that launch ended, a resume started in the directory while the joined nodes still wrote into it."""
+    run_dir = tmp_path / "run"
+    own = RunDirLock(run_dir, shared=False)
+    with pytest.raises(ConfigError, match="in use by another openprime launch"):
+        RunDirLock(run_dir, shared=True)  # not beside it unless the launch asks to (it joins that very run)
+    joined = _holding(run_dir, shared=True, beside=True)
+    try:
+        own.release()
+        with pytest.raises(ConfigError, match=rf"\(pid {joined.pid}, joined to a coordinator: .*beside=True"):
+            RunDirLock(run_dir, shared=False)
+        with RunDirLock(run_dir, shared=True):  # more launches may join the same run
+            pass
+    finally:
+        joined.kill()
+        joined.wait(timeout=30)
+    with RunDirLock(run_dir, shared=False):
+        pass
 
 
 def test_launches_started_in_the_same_second_get_run_directories_of_their_own(tmp_path, monkeypatch):
@@ -139,12 +160,12 @@ def test_a_refusal_names_the_launch_that_holds_the_directory_not_one_killed_befo
         joined.wait(timeout=30)
 
 
-def _holding(run_dir: pathlib.Path, *, shared: bool) -> subprocess.Popen:
+def _holding(run_dir: pathlib.Path, *, shared: bool, beside: bool = False) -> subprocess.Popen:
     """Another process that holds `run_dir`'s lock until its stdin closes (or it is killed)."""
     holder = subprocess.Popen(
         [sys.executable, "-c", "import pathlib, sys; from openprime.train.run_lock import RunDirLock; "
-         f"lock = RunDirLock(pathlib.Path({str(run_dir)!r}), shared={shared}); print('held', flush=True); "
-         "sys.stdin.read()"],
+         f"lock = RunDirLock(pathlib.Path({str(run_dir)!r}), shared={shared}, beside={beside}); "
+         "print('held', flush=True); sys.stdin.read()"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
     return holder

@@ -332,19 +332,17 @@ def _main(argv: list[str] | None) -> int:
         if args.run_dir is None:
             run_dir, lock = new_run_dir(pathlib.Path("runs"), cfg.name, shared=bool(args.join))
         else:
-            lock = RunDirLock(run_dir, shared=bool(args.join))
+            # Held by a launch with its own coordinator, a --join launch may write beside it if it joins that very
+            # run (checked in _start); a resume restarts its nodes, never beside a run.
+            lock = RunDirLock(run_dir, shared=bool(args.join), beside=bool(args.join and not args.resume))
     except RunDirInUse as e:
-        if not args.join or args.resume:
-            return _error(str(e))
-        # Held by a launch with its own coordinator: this one may write beside it if it joins that very run.
-        lock, in_use = contextlib.nullcontext(), True
+        return _error(str(e))
     except OSError as e:
         return _unwritable(run_dir, e)
-    else:
-        in_use = False
+    in_use = lock.beside
     with lock:
         # The nodes hold the lock too, until the last has exited (a killed launcher's nodes live on for seconds).
-        hand_run_lock_to_nodes(lock.fileno if isinstance(lock, RunDirLock) else None)
+        hand_run_lock_to_nodes(lock.fileno)
         return _start(args, cfg, run_dir, overrides, prepared, in_use=in_use)
 
 

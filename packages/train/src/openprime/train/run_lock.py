@@ -13,6 +13,12 @@ into one directory (openprime.train.cli checks that they join the run that direc
 into the directory of a running `openprime run` that started its own coordinator may write beside it only if
 that run is the one it joins, which the cli asks the coordinator). The lock file holds the exclusive holder's
 pid, host, start time and command line, for the message that refuses the next one and for `openprime status`.
+
+A second file, RUN_DIR/.openprime.joined.lock, is held shared by every `--join` launch (and its nodes) for its
+whole life, beside the first or instead of it: a launch that joined beside a running `openprime run` cannot take
+the first lock, and when that run ended the directory looked free while the joined nodes still wrote into it (a
+resume started there trained beside them). A launch of its own takes the second lock exclusively before the
+first, and lets it go at once: it only asks whether a joined launch is still there.
 flock does not reach across machines on every network filesystem: there the lock guards the launches of one
 machine only, and where the filesystem refuses locks altogether the launch says so and goes on without one.
 
@@ -41,6 +47,7 @@ except ImportError:  # not on Windows: no lock, as on a filesystem that refuses 
     fcntl = None
 
 LOCK_NAME = ".openprime.lock"
+JOINED_LOCK_NAME = ".openprime.joined.lock"  # held shared by the launches joined to a coordinator (--join)
 
 
 class RunDirInUse(ConfigError):
@@ -50,25 +57,33 @@ class RunDirInUse(ConfigError):
 class RunDirLock:
     """The lock of one run directory, held until `release()` (or the end of a `with` block)."""
 
-    def __init__(self, run_dir: pathlib.Path, *, shared: bool, new: bool = False) -> None:
-        """`new`: the directory must not exist yet (FileExistsError otherwise): a name the launch chose itself."""
-        self.run_dir, self.shared = run_dir, shared
+    def __init__(self, run_dir: pathlib.Path, *, shared: bool, new: bool = False, beside: bool = False) -> None:
+        """`shared`: a launch joined to a coordinator (--join). `new`: the directory must not exist yet
+        (FileExistsError otherwise): a name the launch chose itself. `beside` (with `shared`): where a launch with
+        its own coordinator holds the directory, hold the joined lock alone (`self.beside` is then True) instead of
+        refusing; the caller checks that this launch joins that very run."""
+        self.run_dir, self.shared, self.beside = run_dir, shared, False
         self.created_dir = new or not run_dir.exists()
         run_dir.mkdir(parents=True, exist_ok=not new)
         self.path = run_dir / LOCK_NAME
         self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._joined_fd: int | None = os.open(run_dir / JOINED_LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
         self._held = False  # this lock's own: the record in the file, and the directory if it made it
         if fcntl is None:
             return
         try:
-            fcntl.flock(self._fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _describe(self.path)
-            self.release()
-            raise RunDirInUse(f"{run_dir} is in use by another openprime launch on this machine ({holder}); two "
-                              f"launches in one run directory would mix their records and overwrite each other's "
-                              f"checkpoints. Wait for it to end (then continue its run with --resume latest), or "
-                              f"choose another --run-dir") from None
+            if shared:
+                fcntl.flock(self._joined_fd, fcntl.LOCK_SH)  # waits only while a launch of its own looks (below)
+            elif not _try_flock(self._joined_fd, fcntl.LOCK_EX):
+                self._refuse(run_dir)  # a joined launch (or its nodes) still writes here
+            if not _try_flock(self._fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX):
+                if not (shared and beside):
+                    self._refuse(run_dir)
+                self.beside = True  # held by a launch with its own coordinator: the joined lock alone
+            if not shared:
+                fcntl.flock(self._joined_fd, fcntl.LOCK_UN)
+                os.close(self._joined_fd)
+                self._joined_fd = None
         except OSError as e:
             if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
                 raise
@@ -80,10 +95,22 @@ class RunDirLock:
             os.ftruncate(self._fd, 0)
             os.write(self._fd, (json.dumps(_holder()) + "\n").encode())
 
+    def _refuse(self, run_dir: pathlib.Path) -> None:
+        """Let go of what this lock holds and raise RunDirInUse naming the launch that holds the directory."""
+        holder = _describe(self.path)
+        self.release()
+        raise RunDirInUse(f"{run_dir} is in use by another openprime launch on this machine ({holder}); two "
+                          f"launches in one run directory would mix their records and overwrite each other's "
+                          f"checkpoints. Wait for it to end (then continue its run with --resume latest), or "
+                          f"choose another --run-dir")
+
     @property
     def fileno(self) -> int | None:
-        """The lock file's descriptor while this lock holds it (processes that get a copy hold the lock too)."""
-        return self._fd if self._held else None
+        """The descriptor of the lock file this launch holds, while it holds it (processes that get a copy hold the
+        lock too): a joined launch's nodes hold the joined lock."""
+        if not self._held:
+            return None
+        return self._joined_fd if self.shared else self._fd
 
     def release(self) -> None:
         """Let the next launch in. A directory this lock created that holds nothing but the lock file (the launch
@@ -92,17 +119,39 @@ class RunDirLock:
             return
         if self._held and not self.shared:
             os.ftruncate(self._fd, 0)  # the holder's record is there only while it holds the lock
-            if self.created_dir and [p.name for p in self.run_dir.iterdir()] == [LOCK_NAME]:
-                self.path.unlink(missing_ok=True)
+            if self.created_dir and {p.name for p in self.run_dir.iterdir()} <= {LOCK_NAME, JOINED_LOCK_NAME}:
+                self._remove_unused_dir()
+        for fd in (self._fd, self._joined_fd):  # closing the last descriptor of the open file releases the flock
+            if fd is not None:
+                os.close(fd)
+        self._fd = self._joined_fd = None
+
+    def _remove_unused_dir(self) -> None:
+        """Remove the directory this launch made and wrote nothing into, unless a joined launch holds it (it joined
+        beside this one): its lock file must stay the one it holds."""
+        joined = os.open(self.run_dir / JOINED_LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            if fcntl is None or _try_flock(joined, fcntl.LOCK_EX):
+                for name in (LOCK_NAME, JOINED_LOCK_NAME):
+                    (self.run_dir / name).unlink(missing_ok=True)
                 self.run_dir.rmdir()
-        os.close(self._fd)  # closing the last descriptor of the open file releases the flock
-        self._fd = None
+        finally:
+            os.close(joined)
 
     def __enter__(self) -> RunDirLock:
         return self
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: types.TracebackType | None) -> None:
         self.release()
+
+
+def _try_flock(fd: int, op: int) -> bool:
+    """flock(fd, op) without waiting: False if another open file holds a lock that conflicts."""
+    try:
+        fcntl.flock(fd, op | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 def new_run_dir(root: pathlib.Path, name: str, *, shared: bool) -> tuple[pathlib.Path, RunDirLock]:
@@ -148,7 +197,7 @@ def lock_holders(path: pathlib.Path) -> str | None:
             return f"pid {holder['pid']}, started {holder['started']}: {holder['command']}"
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    joined = shared_holders(path)
+    joined = shared_holders(path.with_name(JOINED_LOCK_NAME))
     return "; ".join(f"pid {pid}, joined to a coordinator: {holder_command(pid)}" for pid in joined) or None
 
 
