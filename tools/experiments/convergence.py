@@ -39,8 +39,8 @@ starting the nodes to the last one's exit. Tokens on the x axis are the tokens a
 from their step records (the killed node's steps since the last outer step count, lost as they are; the
 replacement trained none while it waited to be admitted).
 
---short is the CI version (tests/test_convergence.py runs it without the single node): the same variants with 2
-layers instead of 4, sequences of 32 tokens, 50 steps and H = 10, in under a minute.
+--short is the CI version (tests/test_convergence.py runs it without the single node and the killed variant):
+the same variants with 2 layers instead of 4, sequences of 32 tokens, 50 steps and H = 10, in under a minute.
 
 Outputs in --out: results.md (the table and the ratios the issue asks about), results.json (the same numbers
 and the curves) and convergence.png (validation loss against tokens and against bytes; needs matplotlib).

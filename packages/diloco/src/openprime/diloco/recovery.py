@@ -103,7 +103,8 @@ class Recovery:
 
     @staticmethod
     def _send(t: Transport, rank: int, offer: StateOffer, timeouts: Timeouts) -> SendReport:
-        """`send_state` to one joiner: a collective's deadline for the offer and its answer, `op_s` a chunk."""
+        """`send_state` to one joiner: a collective's deadline for the offer and its answer, and each chunk
+        IN_FLIGHT x `op_s` from when it is posted (state_transfer.chunk_deadline)."""
         return send_state(t, rank, offer, deadline=time.monotonic() + timeouts.collective_s(t.world_size),
                           op_s=timeouts.op_s)
 
@@ -111,7 +112,8 @@ class Recovery:
                state_hash: str) -> list[int]:
         """In the try: offer the state (whose hash the caller knows) to each joiner and send what it asks for
         now; returns those that asked for it after the commit (non-blocking). Each joiner has a collective's
-        deadline for the offer and its answer, and each chunk `timeouts.op_s` (state_transfer.chunk_deadline)."""
+        deadline for the offer and its answer, and each chunk IN_FLIGHT x `timeouts.op_s` from when it is posted
+        (state_transfer.chunk_deadline)."""
         offer = self._offer(counters, state_hash, snapshot=False)
         later = []
         for rank in ranks:
