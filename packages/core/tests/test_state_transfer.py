@@ -86,22 +86,50 @@ def test_a_transfer_delivers_every_tensor_into_place():
     assert digest.combine(fetch.shared_digests()) == state_hash(shared_state())
 
 
-def test_a_dead_donor_is_replaced_and_only_the_missing_chunks_travel():
+@pytest.mark.parametrize("dies_in", ["shared", "own"])
+def test_a_dead_donor_is_replaced_and_only_the_missing_chunks_travel(dies_in):
+    """The first donor dies after 4 chunks (all of the shared state, which holds for any donor), or after the whole
+    shared state and one chunk of its own state (an inner optimizer's moments): that one is fetched again from the
+    second donor, or the joiner's own state would be two donors' mixed, which no hash covers."""
+    a, b, joiner = local_group(3)
+    fetch = StateFetch()
+    layout = offer("B", 2).layout
+    num_shared = sum(layout.is_shared(i) for i in range(layout.num_chunks))
+    sent = 4 if dies_in == "shared" else num_shared + 1
+    short = time.monotonic() + 1.0
+    with pytest.raises(PeerFailure):
+        run_threads([lambda: send_state(DiesAfter(a, sent), 2, offer("A", 1), deadline=short),
+                     lambda: fetch.fetch(joiner, 0, deadline=short)])
+    assert len(fetch.received) == sent and not fetch.complete  # what arrived before the kill is kept
+    kept = {i for i in fetch.received if layout.is_shared(i)}
+    assert len(kept) == (sent if dies_in == "shared" else num_shared)
+    deadline = time.monotonic() + 30
+    report, complete = run_threads([lambda: send_state(b, 2, offer("B", 2), deadline=deadline),
+                                    lambda: fetch.fetch(joiner, 1, deadline=deadline)])
+    assert complete and report.num_chunks == layout.num_chunks - len(kept)
+    for name, t in {**shared_state(), **own_state(2)}.items():  # the own state is the second donor's, whole
+        assert torch.equal(fetch.tensors[name], t), name
+
+
+def test_a_second_donor_offering_another_state_of_the_same_step_is_fetched_whole():
+    """The first donor dies; the second offers the same step and layout but another state (another hash: a
+    replica that drifted, or a state from another timeline). Nothing of the first is kept: keeping its shared
+    chunks would build a state of neither, caught only by the whole state's hash after a full transfer."""
     a, b, joiner = local_group(3)
     fetch = StateFetch()
     short = time.monotonic() + 1.0
     with pytest.raises(PeerFailure):
         run_threads([lambda: send_state(DiesAfter(a, 4), 2, offer("A", 1), deadline=short),
                      lambda: fetch.fetch(joiner, 0, deadline=short)])
-    assert len(fetch.received) == 4 and not fetch.complete  # what arrived before the kill is kept
-    layout = offer("B", 2).layout
-    kept = {i for i in fetch.received if layout.is_shared(i)}
-    assert kept == fetch.received  # the first chunks are shared tensors: they hold for any donor
+    assert len(fetch.received) == 4
+    other = shared_state(seed=5)
+    second = StateOffer(step=3, origin="B", shared=other, own=own_state(2), meta={"num_inner_steps_done": 60},
+                        chunk_bytes=CHUNK, piece_bytes=PIECE, state_hash=state_hash(other))
     deadline = time.monotonic() + 30
-    report, complete = run_threads([lambda: send_state(b, 2, offer("B", 2), deadline=deadline),
+    report, complete = run_threads([lambda: send_state(b, 2, second, deadline=deadline),
                                     lambda: fetch.fetch(joiner, 1, deadline=deadline)])
-    assert complete and report.num_chunks == layout.num_chunks - len(kept)
-    for name, t in {**shared_state(), **own_state(2)}.items():  # the own state is the second donor's, whole
+    assert complete and fetch.num_corrupt == 0 and report.num_chunks == second.layout.num_chunks
+    for name, t in {**other, **own_state(2)}.items():
         assert torch.equal(fetch.tensors[name], t), name
 
 

@@ -1131,8 +1131,9 @@ def _restart(coordinator):
     return Coordinator(coordinator.config, bind=coordinator.address).start()
 
 
+@pytest.mark.parametrize("told_by", ["heartbeat", "sync"])
 @pytest.mark.parametrize("ok", [True, False], ids=["applied", "not applied"])
-def test_a_coordinator_restarted_before_a_member_heard_the_decision_tells_it_the_one_the_others_heard(ok):
+def test_a_coordinator_restarted_before_a_member_heard_the_decision_tells_it_the_one_the_others_heard(ok, told_by):
     """The coordinator decides a try, answers A and dies before B reads its answer; B resends its report to the
     restarted coordinator, which re-forms the committee from it. A moved on (it trains, or it is at the barrier of
     the retry) and never reports again. Before 2026-12-07 the committee waited for A's report, evicted A as late, and
@@ -1156,7 +1157,11 @@ def test_a_coordinator_restarted_before_a_member_heard_the_decision_tells_it_the
         next_step, next_attempt = (1, 0) if ok else (0, 1)
 
         def a_goes_on():
-            time.sleep(0.3)  # trains (or goes straight to the retry), then comes to the next barrier
+            if told_by == "sync":  # no heartbeat tells the restarted coordinator A's belief: only its sync does
+                a._stop.set()
+                a._heartbeats.join()
+            else:
+                time.sleep(0.3)  # trains (or goes straight to the retry), then comes to the next barrier
             return a.sync(next_step, next_attempt)
 
         def b_resends():

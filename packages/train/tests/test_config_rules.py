@@ -30,6 +30,17 @@ DEBUG = ROOT / "recipes" / "debug.py"
     (["mesh.min_nodes=9"], "mesh.min_nodes 9 is more than mesh.max_nodes 8"),
     (["mesh.sync_timeout_s=2", "mesh.heartbeat_interval_s=0.5", "mesh.num_missed_heartbeats=6"],
      "mesh.sync_timeout_s 2 is under three eviction timeouts"),
+    # A checkpoint is taken only at an outer step: an interval of 30 with H = 20 saved at 60, 120, ...
+    (["diloco.num_inner_steps=20", "checkpoint.interval_steps=30"],
+     "checkpoint.interval_steps 30 is not a multiple of diloco.num_inner_steps 20: a checkpoint is taken at an "
+     "outer step, when every node holds the same global state (e.g. checkpoint.interval_steps=20)"),
+    # The trainer gives each local rank batch_size // num_local_ranks sequences: a remainder would be dropped.
+    (["train.batch_size=10", "fsdp.num_local_ranks=4"],
+     "train.batch_size 10 is not divisible by fsdp.num_local_ranks 4: every local rank trains on an equal share "
+     "of the node's batch (e.g. train.batch_size=8)"),
+    (["train.batch_size=8", "fsdp.num_local_ranks=2", "train.micro_batch_size=8"],
+     "train.batch_size 8 is not divisible by train.micro_batch_size 8 times fsdp.num_local_ranks 2: each local "
+     "rank's share of 4 sequences must be a whole number of micro-batches"),
 ])
 def test_a_setting_that_would_fail_later_is_refused_with_the_fix(overrides, expected):
     with pytest.raises(ConfigError) as e:
