@@ -262,8 +262,13 @@ def test_a_member_restarted_under_its_own_id_is_a_joiner_and_takes_the_state(coo
         time.sleep(0.02)
     again = MeshClient(coordinator.address, FAST, node_id="node-1")
     again.join()
-    views = run_threads([lambda: clients[0].sync(1, state_hash="h0", hash_step=0),
-                         lambda: again.sync(0, state_hash="init", hash_step=-1)])
+
+    def member_sync():  # once the restarted node waits at the barrier (else the barrier may form without it)
+        while "node-1" not in coordinator._waiting:
+            time.sleep(0.01)
+        return clients[0].sync(1, state_hash="h0", hash_step=0)
+
+    views = run_threads([member_sync, lambda: again.sync(0, state_hash="init", hash_step=-1)])
     assert len(set(views)) == 1
     view = views[0]
     assert view.step == 1 and view.new == ("node-1",) and view.donor == "node-0" and view.state_hash == "h0"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import types
 
+import pytest
 import torch
 
 from openprime.core.errors import PeerFailure
@@ -237,3 +238,68 @@ def test_a_node_granted_a_slot_another_node_held_goes_on_where_that_node_left_it
     node.mesh = _mesh(1, inherited=before.state_dict())  # another slot's position: it does not fit, and is not used
     node._open_slot()
     assert node.batches.batch == 0 and node.batches.slot == 1
+
+
+def test_members_all_evicted_at_once_keep_the_inner_training_of_the_outer_step_they_rejoin_in(monkeypatch):
+    """Every member is evicted at once at the end of an outer step's inner steps (the coordinator's own link down
+    longer than the eviction timeout); each rejoins through catch_up, as run_node does, and the coordinator lists none
+    as new (they hold the run's state). Before 2026-12-07 every node then sent a zero pseudo-gradient: the global
+    weights stayed where they were and that outer step's inner training was lost on every node."""
+    import time
+
+    from openprime.core.testing import run_threads
+    from openprime.mesh import Coordinator, ElasticDeviceMesh, Evicted, MeshClient, MeshConfig
+    from openprime.train.config import TransportConfig, TransportKind
+    from openprime.train.transports import transport_factory
+
+    mesh_cfg = MeshConfig(heartbeat_interval_s=0.1, num_missed_heartbeats=3, sync_timeout_s=10, min_nodes=2,
+                          probe_bytes=0)
+    timeouts = Timeouts(connect_s=5, op_s=5)
+    factory = transport_factory(TransportConfig(kind=TransportKind.TCP), timeouts)
+    coordinator = Coordinator(mesh_cfg).start()
+
+    def mesh(name):
+        client = MeshClient(coordinator.address, mesh_cfg, node_id=name)
+        client.join()
+        return ElasticDeviceMesh(client, transport_factory=factory, run_id=mesh_cfg.run_id, abort_poll_s=0.1,
+                                 connect_timeout_s=5)
+
+    monkeypatch.setattr(trainer, "join_mesh", lambda cfg, address, *, slot, local_rank, local_mesh:
+                        mesh(f"again-{slot}"))
+    cfg = types.SimpleNamespace(mesh=types.SimpleNamespace(num_join_tries=2))
+    meshes = [mesh("node-0"), mesh("node-1")]
+    params = [torch.nn.Parameter(torch.zeros(4)) for _ in range(2)]
+    replicas = [DiLoCo([params[i]], config=DiLoCoConfig(num_inner_steps=H, outer_lr=1.0, outer_momentum=0.0),
+                       timeouts=timeouts, membership=meshes[i]) for i in range(2)]
+
+    def inner_steps(i, value):
+        with torch.no_grad():
+            params[i].add_(value)  # what H inner steps did to this replica
+        return next(r for _ in range(H) if (r := replicas[i].step()) is not None)
+
+    try:
+        first = run_threads([lambda i=i: inner_steps(i, i + 1.0) for i in range(2)])
+        assert first[0].num_contributors == 2
+        theta = replicas[0].state.theta.clone()
+        for m in meshes:  # the coordinator hears nobody for an eviction timeout
+            m.client._stop.set()
+            m.client._heartbeats.join()
+        while coordinator.nodes:
+            time.sleep(0.02)
+
+        def node(i):
+            with pytest.raises(Evicted):
+                inner_steps(i, 10.0 * (i + 1))  # the sync at the end of these inner steps finds the node evicted
+            meshes[i], result = trainer.catch_up(cfg, coordinator.address, replicas[i], meshes[i], rejoin=True,
+                                                 local_mesh=None, contribute=True)
+            return result
+
+        results = run_threads([lambda i=i: node(i) for i in range(2)])
+        assert [r.num_contributors for r in results] == [2, 2] and not any(r.received_state for r in results)
+        # Plain averaging (outer lr 1, no momentum): the global weights move by the mean of the inner updates.
+        assert torch.allclose(replicas[0].state.theta, theta + 15.0)
+        assert torch.equal(replicas[0].state.theta, replicas[1].state.theta)
+    finally:
+        for m in meshes:
+            m.close()
+        coordinator.stop()

@@ -109,14 +109,19 @@ def build_model(cfg: RunConfig, local_mesh: DeviceMesh | None, device: torch.dev
     return model
 
 
-def catch_up(cfg: RunConfig, coordinator: str, diloco: DiLoCo, mesh: ElasticDeviceMesh, *,
-             rejoin: bool, local_mesh: DeviceMesh | None) -> tuple[ElasticDeviceMesh, OuterStepResult]:
+def catch_up(cfg: RunConfig, coordinator: str, diloco: DiLoCo, mesh: ElasticDeviceMesh, *, rejoin: bool,
+             local_mesh: DeviceMesh | None, contribute: bool = False) -> tuple[ElasticDeviceMesh, OuterStepResult]:
     """Wait for the next outer step as a newcomer and take the global state from a live peer.
 
     After an eviction (`rejoin`) the node first registers again as a new node. A newcomer evicted while
     it waits (frozen, or the coordinator restarted and does not know it) registers again, up to
     `mesh.num_join_tries` times. Returns one result for the catching up: the last outer step's, with the bytes
     of every outer step the node took part in and whether it received the state in any of them.
+
+    `contribute`: a node evicted at the end of its inner steps offers their pseudo-gradient to the first outer step
+    it takes part in. It counts only where the coordinator lists the node as holding the run's state (every member
+    was evicted at once, the coordinator's own link down): a node listed as new contributes zero whatever it offers
+    (DiLoCo._try). Before 2026-12-07 every node offered zero there, and that outer step's inner training was lost.
     """
     for attempt in range(cfg.mesh.num_join_tries):
         if rejoin or attempt:
@@ -125,7 +130,7 @@ def catch_up(cfg: RunConfig, coordinator: str, diloco: DiLoCo, mesh: ElasticDevi
             mesh = join_mesh(cfg, coordinator, slot=slot, local_rank=mesh.local_rank, local_mesh=local_mesh)
             diloco.rejoin(mesh)
         try:
-            results = [diloco.sync(contribute=False)]
+            results = [diloco.sync(contribute=contribute)]
             # The transfer broke (its donor died, or a link to one local rank): finish it at the next outer step.
             # The local ranks decide together: the mesh lists the node as new while any of them lacks the state
             # (each then takes it again), and ranks that left this loop apart would meet in other collectives.
@@ -306,11 +311,11 @@ class Node:
         """This process's checkpoint part: its node's data slot (and its local rank, when sharded)."""
         return part_name(self.mesh.slot, self.local_rank, self.cfg.fsdp.num_local_ranks)
 
-    def catch_up(self, *, rejoin: bool) -> OuterStepResult:
+    def catch_up(self, *, rejoin: bool, contribute: bool = False) -> OuterStepResult:
         """Take the run's state from a live peer at the next outer step (as a new node after an eviction)."""
         slot = self.mesh.slot
         self.mesh, result = catch_up(self.cfg, self.coordinator, self.diloco, self.mesh, rejoin=rejoin,
-                                     local_mesh=self.local_mesh)
+                                     local_mesh=self.local_mesh, contribute=contribute)
         follow_schedule(self.sched, self.diloco.num_inner_steps_done)
         if self.batches is None or self.mesh.slot != slot:
             # Back on its own slot (evicted and rejoined), a node goes on with its data where it was: until
@@ -446,7 +451,7 @@ def run_node(cfg: RunConfig, *, node: int, coordinator: str, run_dir: pathlib.Pa
                 if n.diloco is None:
                     raise OpenPrimeError(f"{e}; a data-parallel node cannot rejoin (use train.strategy=diloco)") from e
                 n.say(f"[node {node}] {e}")
-                result = n.catch_up(rejoin=True)
+                result = n.catch_up(rejoin=True, contribute=guard.healthy)
                 n.write("rejoined", node_id=n.mesh.node_id, slot=n.mesh.slot, step=counters.num_inner_steps_done)
             with stop_deferred():  # a stop once the outer step is done waits for its checkpoint's snapshot
                 if result is not None and result.received_state:  # the run was further on than this node's state
