@@ -1263,6 +1263,38 @@ def test_a_resent_sync_that_crosses_its_view_opens_no_barrier(coordinator):
     _close(clients)
 
 
+def test_a_view_whose_answer_was_lost_with_its_connection_is_sent_again_to_the_resend():
+    """The connection that carried a node's view broke (ZeroMQ reconnects under a new route, and the node resends its
+    sync with the same request id). Before 2026-12-07 the resend was dropped as crossing its answer: the node waited,
+    was evicted as hung after the others reported on their all-reduce, and the try was lost for all."""
+    coordinator = Coordinator(FAST).start()
+    clients = _clients(coordinator, 2)
+    try:
+        view = run_threads([lambda c=c: c.sync(0) for c in clients])[0]
+        req = coordinator._viewed["node-0", clients[0].incarnation]
+        resend = {"op": "sync", "req": req, "node": "node-0", "incarnation": clients[0].incarnation, "slot": 0,
+                  "epoch": view.epoch, "members": list(view.members), "step": 0, "attempt": 0, "waited_s": 0.5}
+        sock = zmq.Context.instance().socket(zmq.DEALER)  # a new connection: a new route
+        try:
+            sock.connect(coordinator.address)
+            for message in (resend, {**resend, "req": req - 1}):  # the lost answer's request, and an older one
+                sock.send(pack(message, run_id=FAST.run_id, secret=None))
+            sock.send(pack({"op": "status", "req": req + 1}, run_id=FAST.run_id, secret=None))
+            replies = []
+            while len(replies) < 2 and sock.poll(3000):
+                replies.append(unpack(sock.recv(), run_id=FAST.run_id, secret=None, max_bytes=1 << 20))
+        finally:
+            sock.close(linger=0)
+        assert [r["op"] for r in replies] == ["view", "status"]  # the older request is not answered
+        assert replies[0]["req"] == req and replies[0]["epoch"] == view.epoch
+        assert tuple(replies[0]["members"]) == view.members
+        assert "node-0" not in coordinator._waiting  # and it opened no barrier
+        assert run_threads([lambda c=c: c.commit(0, 0, True) for c in clients]) == [True, True]
+    finally:
+        _close(clients)
+        coordinator.stop()
+
+
 def test_in_a_try_that_admitted_a_node_a_hung_joiner_is_timed_from_its_donor_s_report():
     # In blocking recovery the donor and the joiner report only once the transfer is over: the joiner is not late
     # while its donor has not reported either; once the donor has, it is (its process hung, the transfer failed).

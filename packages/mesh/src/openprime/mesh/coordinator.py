@@ -110,6 +110,7 @@ class Coordinator:
         self._waiting: dict[str, tuple[bytes, int, dict]] = {}  # node -> (route, req, message) at the barrier
         self._periodic_errors: set[str] = set()  # errors of the periodic work already logged
         self._viewed: dict[tuple[str, str], int] = {}  # (node, incarnation) -> the last sync request answered
+        self._last_view: dict[tuple[str, str], dict] = {}  # (node, incarnation) -> the view that answered it
         self._clock = StragglerClock(config)  # who is late at the barrier or in the commit (stragglers.py)
         self.hashes: dict[int, dict[str, str]] = {}
         self.disagreements: list[tuple[int, dict[str, str]]] = []
@@ -376,10 +377,13 @@ class Coordinator:
         record = self._known(message)
         if record is None:
             return {"op": "evicted"}
-        if message["req"] <= self._viewed.get((message["node"], message["incarnation"]), 0):
+        key = (message["node"], message["incarnation"])
+        if message["req"] <= self._viewed.get(key, 0):
             # A resend of a sync already answered with a view, crossing the answer: it would open the next barrier
-            # with an arrival in the past (waited_s) and make the members still on their way look late.
-            return None
+            # with an arrival in the past (waited_s) and make the members still on their way look late. The view
+            # goes again to the request it answered: the answer may have been lost with its connection (ZeroMQ
+            # reconnects under a new route, and the node resends), and the node, never told, was evicted as hung.
+            return self._last_view.get(key) if message["req"] == self._viewed[key] else None
         if record.slot < 0:
             record.slot = self._valid_slot(message["node"], message["slot"])
         if isinstance(message.get("slot_state"), dict) and 0 <= record.slot == message["slot"]:
@@ -442,6 +446,7 @@ class Coordinator:
         self._waiting.pop(node, None)
         for key in [k for k in self._viewed if k[0] == node]:
             del self._viewed[key]
+            self._last_view.pop(key, None)
         self.blame.forget(node)
         self.evictions.append(node)
         log.warning("node %s removed: %s", node, why)
@@ -529,6 +534,7 @@ class Coordinator:
         for node, (route, req, message) in self._waiting.items():
             self._reply(route, req, view)
             self._viewed[node, message["incarnation"]] = req
+            self._last_view[node, message["incarnation"]] = view
         self._waiting.clear()
         self._clock.view_formed(members, new, donor)
         log.info("outer step %d try %d: epoch %d, %d nodes%s%s", step, attempt, self.epoch, len(members),
