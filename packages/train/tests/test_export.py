@@ -146,3 +146,48 @@ def test_an_export_that_cannot_be_written_is_a_clear_error(model, tmp_path, monk
     err = capsys.readouterr().err
     assert err.startswith(f"openprime: error: cannot write the export to {out_dir}: File exists "), err
     assert err.rstrip().endswith("free space, or choose another OUT_DIR")
+
+
+def test_the_export_is_readable_by_others_under_the_umask(model, tmp_path):
+    # safetensors creates its file 0600 and mkdtemp its directory 0700: another user (a serving job) could not read
+    # the exported model, though config.json beside it was readable (found 2026-12-07).
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        write_hf_checkpoint(model.state_dict(), DEBUG, tmp_path / "hf")
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [tmp_path / "hf", *(tmp_path / "hf").iterdir()]}
+    assert modes == {"hf": 0o755, "config.json": 0o644, "model.safetensors": 0o644}
+
+
+def test_openprime_export_refuses_a_used_out_dir_before_it_reads_the_checkpoint(tmp_path, monkeypatch, capsys):
+    # At 10B the checkpoint is tens of GB, read and checksummed before a one-line refusal (found 2026-12-07).
+    from openprime.train import checkpointing, cli
+
+    def must_not_read(source):
+        raise AssertionError("the checkpoint was read")
+
+    monkeypatch.setattr(checkpointing, "load_model_weights", must_not_read)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "keep.txt").write_text("mine")
+    assert cli.main(["export", str(tmp_path / "run"), str(tmp_path / "hf")]) == 2
+    assert "already exists and is not an empty directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["export", "status"])
+@pytest.mark.parametrize("config_json", ['{"model_type": "llama"}', "not json"])
+def test_a_directory_whose_config_json_is_not_a_run_s_is_a_clear_error(tmp_path, capsys, command, config_json):
+    # A Hugging Face export's directory (its own config.json): export ended in a KeyError traceback, and status said
+    # "cannot read the run in ...: 'config'".
+    from openprime.train import cli
+
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(config_json)
+    args = [command, str(tmp_path / "hf")] + ([str(tmp_path / "out")] if command == "export" else [])
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'hf' / 'config.json'} is not the config of an openprime run" in err, err
+    assert "Hugging Face export" in err and not (tmp_path / "out").exists()

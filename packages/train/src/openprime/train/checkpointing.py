@@ -174,11 +174,18 @@ def resolved_config(run_dir: pathlib.Path) -> dict[str, Any] | None:
     """The resolved config (`to_dict` of a RunConfig) of a run directory's newest launch: its last
     config.resumed-N.json, else its config.json; None when it has neither. A resume may change where the run saves
     (checkpoint.directory) or its length: status and export read the first launch's config only, and exported an
-    older checkpoint without a word."""
+    older checkpoint without a word. A config.json that is not a run's (a Hugging Face export's) is a ConfigError."""
     resumed = sorted(run_dir.glob("config.resumed-*.json"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
     for path in [*reversed(resumed), run_dir / "config.json"]:
         if path.is_file():
-            return json.loads(path.read_text())["config"]
+            try:
+                resolved = json.loads(path.read_text())["config"]
+                if isinstance(resolved, dict) and isinstance(resolved.get("checkpoint"), dict):
+                    return resolved
+            except (ValueError, KeyError, TypeError):
+                pass
+            raise ConfigError(f"{path} is not the config of an openprime run (is {run_dir} a Hugging Face export?); "
+                              f"give a run directory or a checkpoint")
     return None
 
 

@@ -139,9 +139,10 @@ def _error(message: str) -> int:
 def export_model(args: argparse.Namespace) -> int:
     """`openprime export`: the newest (or given) checkpoint as config.json + model.safetensors."""
     from openprime.train.checkpointing import load_model_weights
-    from openprime.train.export import write_hf_checkpoint
+    from openprime.train.export import check_out_dir, write_hf_checkpoint
 
     try:
+        check_out_dir(args.out_dir)
         model_cfg, weights, part = load_model_weights(args.source)
     except OSError as e:
         return _error(f"cannot read {args.source}: {e.strerror or e} ({e.filename or args.source})")

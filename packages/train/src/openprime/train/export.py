@@ -145,6 +145,14 @@ def to_hf_state_dict(state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> d
     return hf
 
 
+def check_out_dir(out_dir: pathlib.Path) -> None:
+    """ConfigError unless `out_dir` is absent or an empty directory: what an export may write into. Checked before
+    the checkpoint is read (tens of GB at 10B) and again when it is written."""
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ConfigError(f"export: {out_dir} already exists and is not an empty directory; "
+                          f"choose a new output directory or remove it first")
+
+
 def write_hf_checkpoint(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: pathlib.Path,
                         dtype: torch.dtype = torch.float32) -> None:
     """Write `config.json` and `model.safetensors` (tensors cast to `dtype`) into `out_dir`, atomically.
@@ -153,9 +161,7 @@ def write_hf_checkpoint(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, o
     so a crash never leaves a half-written checkpoint behind. `out_dir` must not exist or be empty.
     """
     out_dir = pathlib.Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise ConfigError(f"export: {out_dir} already exists and is not an empty directory; "
-                          f"choose a new output directory or remove it first")
+    check_out_dir(out_dir)
     tensors = {name: tensor.to("cpu", dtype).contiguous()
                for name, tensor in to_hf_state_dict(state_dict, cfg).items()}
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -164,7 +170,12 @@ def write_hf_checkpoint(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, o
         # "format": "pt" is the metadata transformers checks before it reads a safetensors file.
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
         (staging / "config.json").write_text(json.dumps(hf_config(cfg, dtype), indent=2) + "\n")
-        staging.chmod(0o755)  # mkdtemp makes it 0700; the checkpoint is for others to read too
+        # mkdtemp makes the directory 0700 and safetensors its file 0600: the checkpoint is for others to read too
+        # (as config.json is, under the umask).
+        umask = os.umask(0)
+        os.umask(umask)
+        staging.chmod(0o777 & ~umask)
+        (staging / "model.safetensors").chmod(0o666 & ~umask)
         # rename(2) replaces an empty directory atomically, and fails if one appeared with contents.
         os.replace(staging, out_dir)
     except BaseException:
@@ -172,4 +183,4 @@ def write_hf_checkpoint(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, o
         raise
 
 
-__all__ = ["hf_config", "to_hf_state_dict", "write_hf_checkpoint"]
+__all__ = ["check_out_dir", "hf_config", "to_hf_state_dict", "write_hf_checkpoint"]
