@@ -242,3 +242,30 @@ def test_cli_plan_errors(capsys):
     # --gpus-per-node defaults to the recipe's fsdp.num_local_ranks.
     assert main(["plan", TEN_B, "--nodes", "14", "--bandwidth", "1gbit", "--set", "fsdp.num_local_ranks=4"]) == 0
     assert "14 nodes x 4 H100 SXM" in capsys.readouterr().out
+
+
+def test_a_data_parallel_run_is_planned_as_one(capsys):
+    # `train.strategy=data_parallel` was planned as DiLoCo int8: 114 GiB of host state it does not keep, and 96%
+    # compute utilisation for a run that all-reduces 75.86 GB at every one of its inner steps (found 2026-12-07).
+    sets = ["--set", "train.strategy=data_parallel", "--set", "checkpoint.mode=off"]
+    dp = plan_run(recipe_config(TEN_B, sets[1::2]), num_nodes=14, bandwidth_bps=1.6e9)
+    p = 10_211_381_248
+    per_step_s = 8 * (2 * 13 / 14) * 4 * p / 1.6e9  # one fp32 gradient all-reduce over 14 nodes at 1.6 Gbit/s
+    assert dp.host_bytes == 0 and dp.all_reduce_s == dp.dp_all_reduce_s == pytest.approx(100 * per_step_s)
+    assert dp.compute_utilisation == pytest.approx(23.0 / (23.0 + per_step_s), abs=2e-4)  # 23.0 s a step: 5.7%
+    assert main(["plan", TEN_B, "--nodes", "14", "--bandwidth", "1.6gbit", *sets]) == 0
+    out = capsys.readouterr().out
+    assert "none: data parallel keeps no outer state" in out and out.count("<- this run") == 1
+    assert "all-reduce 632.1 min, compute utilisation   5.7%  <- this run" in out
+    assert "MFU with communication          2.5 %" in out
+
+
+def test_a_small_model_s_plan_reads_in_units_that_show_it(capsys):
+    # The debug recipe's plan printed 0.0 GiB, 0.0 GFLOP and 0.0 s for nearly every number.
+    assert main(["plan", str(ROOT / "recipes" / "debug.py"), "--nodes", "2", "--bandwidth", "1gbit"]) == 0
+    out = capsys.readouterr().out
+    for line in ("1,836,160 (1.84M)", "weights (fp32, whole)         7.0 MiB", "8.7 MFLOP   6N 7.9 MFLOP",
+                 "inner step                     20.7 us", "DiLoCo fp32                  7.34 MB",
+                 "all-reduce 58.8 ms"):
+        assert line in out, line
+    assert " 0.0 GiB" not in out and "0.00 GB" not in out

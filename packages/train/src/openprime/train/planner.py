@@ -34,7 +34,7 @@ from openprime.core.collectives import SEGMENT_NUMEL
 from openprime.core.errors import ConfigError
 from openprime.diloco.config import Compression
 from openprime.fsdp import ActivationCheckpointing, Precision
-from openprime.train.config import RunConfig
+from openprime.train.config import RunConfig, Strategy
 from openprime.train.model import count_parameters, num_flops_per_token
 
 GiB = 2**30
@@ -69,7 +69,8 @@ class Plan:
     gpu: GPU
     bandwidth_bps: float  # bits per second each node gets to its ring neighbour
     num_inner_steps: int  # H
-    compression: Compression  # the run's pseudo-gradient encoding
+    strategy: Strategy  # DiLoCo, or data parallel (gradients all-reduced at every inner step)
+    compression: Compression  # the run's pseudo-gradient encoding (DiLoCo)
     num_params: int
     # memory of one GPU, for the run's FSDP config
     compute_dtype: Precision  # of the gathered parameters and the activations (fp32 when unsharded)
@@ -82,7 +83,7 @@ class Plan:
     activations_bytes: float
     gpu_bytes: float
     fits: bool
-    # host memory of one node for the DiLoCo state
+    # host memory of one node for the DiLoCo state (none in data parallel)
     host_bytes: float
     # compute
     flops_per_token: int
@@ -97,6 +98,7 @@ class Plan:
     dp_bytes: float  # fp32 gradients all-reduced at each of the H inner steps
     fp32_all_reduce_s: float
     int8_all_reduce_s: float
+    dp_all_reduce_s: float  # data parallel's H all-reduces of the gradients
 
     @property
     def shortfall_bytes(self) -> float:
@@ -105,7 +107,10 @@ class Plan:
 
     @property
     def all_reduce_s(self) -> float:
-        """The all-reduce time with the run's own encoding."""
+        """The run's own all-reduce time per H inner steps: its encoding's in DiLoCo, H gradient all-reduces in data
+        parallel."""
+        if self.strategy is Strategy.DATA_PARALLEL:
+            return self.dp_all_reduce_s
         return self.int8_all_reduce_s if self.compression is Compression.INT8 else self.fp32_all_reduce_s
 
     def utilisation(self, all_reduce_s: float) -> float:
@@ -158,19 +163,21 @@ def plan_run(cfg: RunConfig, *, num_nodes: int, bandwidth_bps: float, gpus_per_n
     ring_latency_s = 2 * (num_nodes - 1) * latency_s
     return Plan(
         num_nodes=num_nodes, gpus_per_node=gpus_per_node, gpu=device, bandwidth_bps=float(bandwidth_bps),
-        num_inner_steps=h, compression=cfg.diloco.compression, num_params=p,
+        num_inner_steps=h, strategy=cfg.train.strategy, compression=cfg.diloco.compression, num_params=p,
         compute_dtype=compute_dtype(cfg),
         activation_checkpointing=cfg.fsdp.activation_checkpointing is ActivationCheckpointing.FULL,
         micro_batch_size=cfg.forward_batch_size, **memory,
         gpu_bytes=sum(memory.values()), fits=sum(memory.values()) <= device.memory_bytes,
         # DiLoCo's host state (openprime.diloco.outer.OuterState): fp32 global weights, outer momentum
         # and pseudo-gradient, 12 bytes per parameter; sharded over the local ranks, the same per node.
-        host_bytes=3 * FP32 * p,
+        # Data parallel keeps none: its gradients are all-reduced where they are.
+        host_bytes=0 if cfg.train.strategy is Strategy.DATA_PARALLEL else 3 * FP32 * p,
         flops_per_token=flops_per_token, attention_flops_per_token=12 * m.num_layers * m.dim * seq_len,
         tokens_per_inner_step=tokens, mfu=mfu, inner_step_s=inner_step_s, compute_s=h * inner_step_s,
         fp32_bytes=fp32_bytes, int8_bytes=int8_bytes, dp_bytes=dp_bytes,
         fp32_all_reduce_s=8 * fp32_bytes / bandwidth_bps + ring_latency_s,
         int8_all_reduce_s=8 * int8_bytes / bandwidth_bps + ring_latency_s,
+        dp_all_reduce_s=8 * dp_bytes / bandwidth_bps + h * ring_latency_s,
     )
 
 
@@ -364,7 +371,37 @@ def _unit_bits(unit: str, per_second: str | None) -> float | None:
 
 
 def _gib(n: float) -> str:
-    return f"{n / GiB:8.1f} GiB"
+    """Bytes in the largest binary unit under them (a debug model's megabytes read 0.0 GiB)."""
+    for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:8.1f} {unit}"
+    return f"{n:8.0f} B  "
+
+
+def _gb(n: float) -> str:
+    """Bytes sent, in the largest decimal unit under them."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:8.2f} {unit}"
+    return f"{n:8.0f} B "
+
+
+def _duration(seconds: float) -> str:
+    """min, s, ms or us, whichever is the largest unit under it."""
+    for unit, scale in (("min", 60.0), ("s  ", 1.0), ("ms ", 1e-3)):
+        if seconds >= scale:
+            return f"{seconds / scale:8.1f} {unit}"
+    return f"{seconds * 1e6:8.1f} us "
+
+
+def _flop(n: float, *, scale: float | None = None) -> str:
+    """FLOPs in GFLOP, or MFLOP under one GFLOP (`scale`: that of another number, for its parts)."""
+    scale = scale or (1e9 if n >= 1e9 else 1e6)
+    return f"{n / scale:.1f} {'GFLOP' if scale == 1e9 else 'MFLOP'}"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
 def _rate(bps: float) -> str:
@@ -377,12 +414,13 @@ def format_plan(plan: Plan) -> str:
     fit = (f"fits, {(g.memory_bytes - plan.gpu_bytes) / GiB:.1f} GiB to spare" if plan.fits else
            f"DOES NOT FIT: {plan.shortfall_bytes / GiB:.1f} GiB more than the {g.memory_bytes / GiB:.0f} GiB "
            f"of one {g.name}; use more GPUs per node or larger GPUs")
+    flop_scale = 1e9 if plan.flops_per_token >= 1e9 else 1e6
     sharding = f"FSDP2 over {plan.gpus_per_node} ranks" if plan.gpus_per_node > 1 else "one rank, no sharding"
     shard = ", shard" if plan.gpus_per_node > 1 else ", whole"
     lines = [
         f"{plan.num_nodes} nodes x {plan.gpus_per_node} {g.name} ({g.memory_bytes / GiB:.0f} GiB, "
         f"{g.peak_flops / 1e12:.0f} TFLOP/s bf16), {_rate(plan.bandwidth_bps)} per node, H = {plan.num_inner_steps}",
-        f"parameters                 {plan.num_params:,} ({plan.num_params / 1e9:.2f}B)",
+        f"parameters                 {plan.num_params:,} ({_count(plan.num_params)})",
         f"memory per GPU ({sharding}, {plan.compute_dtype.value} compute, micro-batch {plan.micro_batch_size}, "
         f"activation checkpointing {'full' if plan.activation_checkpointing else 'none'})",
         f"  {'weights (fp32' + shard + ')':23}  {_gib(plan.weights_bytes)}",
@@ -392,24 +430,29 @@ def format_plan(plan: Plan) -> str:
         f"{'root + 2 blocks, with their gradients' if plan.gpus_per_node > 1 else 'none: nothing is sharded'}",
         f"  activations              {_gib(plan.activations_bytes)}   incl. fp32 logits",
         f"  total                    {_gib(plan.gpu_bytes)}   {fit}",
-        f"host memory per node       {_gib(plan.host_bytes)}   DiLoCo: fp32 weights, momentum, pseudo-gradient",
-        f"FLOPs per token            {plan.flops_per_token / 1e9:8.1f} GFLOP   6N "
-        f"{(plan.flops_per_token - plan.attention_flops_per_token) / 1e9:.1f} + attention "
-        f"{plan.attention_flops_per_token / 1e9:.1f} (forward and backward)",
-        f"inner step                 {plan.inner_step_s:8.1f} s     {plan.tokens_per_inner_step:,} tokens per node "
-        f"at {100 * plan.mfu:.1f}% MFU",
-        f"compute per outer step     {plan.compute_s / 60:8.1f} min   {plan.num_inner_steps} inner steps",
-        "sent per node per outer step (ring all-reduce)",
+        f"host memory per node       {_gib(plan.host_bytes)}   " + (
+            "none: data parallel keeps no outer state" if plan.strategy is Strategy.DATA_PARALLEL else
+            "DiLoCo: fp32 weights, momentum, pseudo-gradient"),
+        f"FLOPs per token            {_flop(plan.flops_per_token):>14}   6N "
+        f"{_flop(plan.flops_per_token - plan.attention_flops_per_token, scale=flop_scale)} + attention "
+        f"{_flop(plan.attention_flops_per_token, scale=flop_scale)} (forward and backward)",
+        f"inner step                 {_duration(plan.inner_step_s)}   {plan.tokens_per_inner_step:,} tokens per "
+        f"node at {100 * plan.mfu:.1f}% MFU",
+        f"compute per outer step     {_duration(plan.compute_s)}   {plan.num_inner_steps} inner steps",
+        f"sent per node per {plan.num_inner_steps} inner steps (ring all-reduce)",
     ]
+    diloco = plan.strategy is Strategy.DILOCO
     for name, sent, seconds in (("fp32", plan.fp32_bytes, plan.fp32_all_reduce_s),
                                 ("int8", plan.int8_bytes, plan.int8_all_reduce_s)):
-        mark = "  <- this run" if (name == "int8") == (plan.compression is Compression.INT8) else ""
+        mark = "  <- this run" if diloco and (name == "int8") == (plan.compression is Compression.INT8) else ""
         times = plan.reduction(sent)
         less = f"{times:6.0f}x" if math.isfinite(times) else "   n/a"
-        lines.append(f"  {name:23}  {sent / 1e9:8.2f} GB    {less} less than data parallel, "
-                     f"all-reduce {seconds / 60:5.1f} min, compute utilisation "
+        lines.append(f"  {'DiLoCo ' + name:23}  {_gb(sent)}    {less} less than data parallel, "
+                     f"all-reduce {_duration(seconds).strip()}, compute utilisation "
                      f"{100 * plan.utilisation(seconds):5.1f}%{mark}")
-    lines.append(f"  data parallel (fp32)     {plan.dp_bytes / 1e9:8.2f} GB    gradients at each of the "
-                 f"{plan.num_inner_steps} inner steps")
+    lines.append(f"  data parallel (fp32)     {_gb(plan.dp_bytes)}    gradients at each of the "
+                 f"{plan.num_inner_steps} inner steps, all-reduce {_duration(plan.dp_all_reduce_s).strip()}, compute "
+                 f"utilisation {100 * plan.utilisation(plan.dp_all_reduce_s):5.1f}%"
+                 f"{'' if diloco else '  <- this run'}")
     lines.append(f"MFU with communication     {100 * plan.mfu * plan.compute_utilisation:8.1f} %")
     return "\n".join(lines)
