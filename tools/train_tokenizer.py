@@ -16,6 +16,7 @@ text in --text-field) or .parquet (needs pyarrow). Instead of sources, --recipe 
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import sys
 import time
@@ -47,6 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if bool(args.recipe) == bool(args.sources):
         parser.error("give either SOURCEs or --recipe (exactly one of them)")
+    if args.vocab_size is not None and args.vocab_size < 257:
+        parser.error(f"--vocab-size {args.vocab_size} is too small: a byte-level BPE holds end-of-text and the 256 "
+                     f"bytes, 257 tokens at least")
     return args
 
 
@@ -69,11 +73,25 @@ def output_path(out: str) -> pathlib.Path:
     return path
 
 
+def check_writable(path: pathlib.Path) -> None:
+    """ConfigError unless the tokenizer can be written at `path` (its directory made if missing): said before the
+    sources are read and the BPE trained, not after (it was a traceback then)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot write {path}: {e.strerror or e} ({e.filename or path.parent}); choose another "
+                          f"OUT") from None
+    if path.is_dir() or not os.access(path.parent, os.W_OK):
+        why = "it is a directory" if path.is_dir() else f"{path.parent} is not writable"
+        raise ConfigError(f"cannot write {path}: {why}; choose another OUT")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         cfg = data_config(args)
         path = output_path(args.out)
+        check_writable(path)
         documents: list[str] = []
         for entry in cfg.mixture:
             start = time.perf_counter()
@@ -82,7 +100,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"read {describe(entry)}: {len(taken):,} documents, {sum(map(len, taken)):,} characters in "
                   f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        message = str(e)
+        if not args.recipe:  # the sources' settings are this tool's flags
+            message = message.replace("set WeightedSource.text_field", "set --text-field")
+        print(f"error: {message}", file=sys.stderr)
         return 2
     num_chars = sum(map(len, documents))
     print(f"training a {cfg.vocab_size}-token byte-level BPE on {num_chars:,} characters ...", file=sys.stderr,
@@ -93,10 +114,17 @@ def main(argv: list[str] | None = None) -> int:
     num_tokens = sum(len(e.ids) for e in tokenizer.encode_batch(sample, add_special_tokens=False))
     print(f"trained in {time.perf_counter() - start:.1f} s; {sum(map(len, sample)) / max(num_tokens, 1):.2f} "
           f"characters per token on {len(sample):,} of the documents", file=sys.stderr, flush=True)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(path))
-    print(f"wrote {path}: vocabulary size {tokenizer.get_vocab_size()} "
-          f"(end-of-text {EOT_TOKEN} = {tokenizer.token_to_id(EOT_TOKEN)})")
+    try:
+        tokenizer.save(str(path))
+    except OSError as e:
+        print(f"error: cannot write {path}: {e.strerror or e}; choose another OUT", file=sys.stderr)
+        return 2
+    size = tokenizer.get_vocab_size()
+    print(f"wrote {path}: vocabulary size {size} (end-of-text {EOT_TOKEN} = {tokenizer.token_to_id(EOT_TOKEN)})")
+    if size < cfg.vocab_size:
+        print(f"warning: the text holds only {size} tokens' worth of merges, not the {cfg.vocab_size} asked for: a "
+              f"model using this tokenizer needs model.vocab_size={size} and data.vocab_size={size}, or give more "
+              f"text", file=sys.stderr)
     return 0
 
 

@@ -466,3 +466,23 @@ def test_tokenizer_tool_help_and_errors(tmp_path):
     missing = _tool(str(tmp_path / "t.json"), str(tmp_path / "nowhere"))
     assert missing.returncode == 2 and "nowhere does not exist" in missing.stderr
     assert _tool(str(tmp_path / "t.json")).returncode == 2  # neither sources nor --recipe
+
+
+def test_tokenizer_tool_says_what_it_cannot_do_before_it_trains(corpus, tmp_path):
+    # An OUT it cannot create was a traceback after the training (found 2026-12-07); a vocabulary the text cannot
+    # fill was written smaller without a word; --vocab-size 0 said "must be >= 1".
+    (tmp_path / "a-file").write_text("")
+    for out in (tmp_path / "a-file" / "t.json", tmp_path / "a-file"):
+        proc = _tool(str(out), str(corpus / "bible"), "--vocab-size", "300")
+        assert proc.returncode == 2 and "cannot write" in proc.stderr and "choose another OUT" in proc.stderr, proc
+        assert "read source" not in proc.stderr and "Traceback" not in proc.stderr
+    small = _tool(str(tmp_path / "t.json"), str(corpus / "bible"), "--vocab-size", "100")
+    assert small.returncode == 2 and "--vocab-size 100 is too small" in small.stderr and "257 tokens" in small.stderr
+    (tmp_path / "tiny.txt").write_text("abc abc abd")
+    tiny = _tool(str(tmp_path / "tiny.json"), str(tmp_path / "tiny.txt"), "--vocab-size", "5000")
+    assert tiny.returncode == 0 and "warning: the text holds only" in tiny.stderr
+    size = int(tiny.stdout.split("vocabulary size ")[1].split()[0])
+    assert size < 5000 and f"model.vocab_size={size} and data.vocab_size={size}" in tiny.stderr
+    (tmp_path / "docs.jsonl").write_text('{"body": "some text"}\n')
+    field = _tool(str(tmp_path / "f.json"), str(tmp_path / "docs.jsonl"))
+    assert field.returncode == 2 and "set --text-field" in field.stderr, field.stderr
