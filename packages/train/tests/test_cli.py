@@ -478,3 +478,28 @@ def test_the_command_that_continues_a_run_repeats_the_flags_that_shaped_its_conf
     assert shlex.split(line) == ["recipes/debug.py", "--network", str(site), "--transport", "tcp", "--set",
                                  "diloco.compression=int8", "--set", "data.name=two words"]
     assert recipe_args(_parser().parse_args(["run", "recipes/debug.py"])) == "recipes/debug.py"
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--min-nodes", "-3"], "--min-nodes -3: the first outer step needs at least 1 node"),  # it was taken as 1
+    # The fix named mesh.max_nodes, a key `mesh serve --set` does not know (its keys have no "mesh.").
+    (["--min-nodes", "3", "--set", "max_nodes=1"], "Give --min-nodes 1 or less, or --set max_nodes=3"),
+    (["--set", "sync_timeout_s=1"], "Use --set sync_timeout_s=18 or more"),
+])
+def test_mesh_serve_names_its_own_flags_in_a_refusal(capsys, args, expected):
+    assert main(["mesh", "serve", "--bind", "tcp://127.0.0.1:0", *args]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "mesh." not in err, err
+
+
+def test_plan_with_gpus_per_node_names_that_flag_in_its_remedy(capsys):
+    # --gpus-per-node sets the local ranks: the remedy's --set fsdp.num_local_ranks=4 was overridden by it.
+    assert main(["plan", str(ROOT / "recipes" / "intellect1_10b.py"), "--nodes", "2", "--bandwidth", "1gbit",
+                 "--gpus-per-node", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "more local ranks: --gpus-per-node 4 (55.3 GiB)" in err and "fsdp.num_local_ranks" not in err, err
+
+
+def test_export_of_a_path_that_does_not_exist_says_so(tmp_path, capsys):
+    assert main(["export", str(tmp_path / "no-such-run"), str(tmp_path / "out")]) == 2
+    assert f"{tmp_path / 'no-such-run'} does not exist: give a run directory or a checkpoint" in capsys.readouterr().err

@@ -402,6 +402,8 @@ def load_model_weights(source: pathlib.Path) -> tuple[ModelConfig, dict[str, tor
     checkpoints) give way to another node's of the same step, then to the step before, with a warning; a source
     that names a step or a part is read from that step or part only.
     """
+    if not source.exists():
+        raise CheckpointNotFound(f"{source} does not exist: give a run directory or a checkpoint")
     if (source / "state.json").is_file():
         return _model_weights(source)
     if (resolved := resolved_config(source)) is not None:  # a run directory: where its newest launch saves

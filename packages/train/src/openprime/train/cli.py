@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import logging
 import pathlib
+import re
 import shlex
 import signal
 import socket
@@ -115,8 +116,12 @@ def print_plan(args: argparse.Namespace) -> int:
     if not plan.fits:
         try:
             planner.check_fits(planner.with_node(cfg, gpus_per_node=args.gpus_per_node), plan.gpu)
-        except ConfigError as e:  # what to change, as `openprime run` would say it
-            print(f"openprime: {e}", file=sys.stderr)
+        except ConfigError as e:  # what to change, as `openprime run` would say it (here --gpus-per-node, if given,
+            # sets the local ranks: a --set of them would be overridden)
+            message = str(e)
+            if args.gpus_per_node is not None:
+                message = re.sub(r"--set fsdp\.num_local_ranks=(\d+)", r"--gpus-per-node \1", message)
+            print(f"openprime: {message}", file=sys.stderr)
     return 0 if plan.fits else 1
 
 
@@ -162,9 +167,16 @@ def export_model(args: argparse.Namespace) -> int:
 
 def serve_mesh(args: argparse.Namespace) -> int:
     """`openprime mesh serve`: a coordinator on this machine until interrupted."""
+    if args.min_nodes < 1:
+        return _error(f"--min-nodes {args.min_nodes}: the first outer step needs at least 1 node")
     try:
         items = split_overrides(args.overrides, example="heartbeat_interval_s=1")
-        cfg = override_all(MeshConfig(min_nodes=max(1, args.min_nodes)), items)
+        try:
+            cfg = override_all(MeshConfig(min_nodes=args.min_nodes), items)
+        except ConfigError as e:  # the mesh settings' names here: --min-nodes, and --set KEY=VALUE without "mesh."
+            message = re.sub(r"Set mesh\.min_nodes=", "Give --min-nodes ", str(e))
+            message = re.sub(r"mesh\.(\w+)=", r"--set \1=", message.replace("mesh.min_nodes", "--min-nodes"))
+            raise ConfigError(message.replace("mesh.", "").replace("Set --set ", "Use --set ")) from None
         bind = args.bind if "://" in args.bind else f"tcp://{args.bind}"
         check_join_address(bind, "--bind")
         coordinator = Coordinator(cfg, bind=bind, store_port=args.store_port)

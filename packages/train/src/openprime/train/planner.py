@@ -218,9 +218,9 @@ def gpu_memory(cfg: RunConfig) -> dict[str, float]:
     # Sharded state: fp32 parameters (the master copy AdamW updates), fp32 gradients (reduce-scattered
     # in fp32), AdamW's exp_avg and exp_avg_sq: 4 + 4 + 8 = 16 bytes per parameter, divided by the ranks.
     # Gathered copies in param_dtype: the root unit stays unsharded through forward and backward (2 bytes
-    # each for its 2VD parameters in bf16, 1 GiB at 10B), plus the block computing and the one prefetched;
-    # their unsharded gradients exist as long again, before the reduce-scatter: x2. Unsharded, the model
-    # computes on its fp32 parameters directly and nothing is gathered.
+    # each for its 2VD parameters in bf16: 2 x 1,050,677,248 bytes, 1.96 GiB at 10B), plus the block computing
+    # and the one prefetched; their unsharded gradients exist as long again, before the reduce-scatter: x2.
+    # Unsharded, the model computes on its fp32 parameters directly and nothing is gathered.
     gathered = 2 * act * (root + 2 * block) if cfg.fsdp.sharded else 0
     # Activations, per sequence of the micro-batch. A block's saved tensors per token: the norms' inputs
     # and outputs, q, k, v, the attention output (4D + D + 2*K*E) and the SwiGLU's w1, w3, silu(w1) and
