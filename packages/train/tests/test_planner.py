@@ -238,7 +238,7 @@ def test_cli_plan_errors(capsys):
     assert main(["plan", TEN_B, "--nodes", "14", "--bandwidth", "1gbit", "--gpus-per-node", "1"]) == 1
     captured = capsys.readouterr()
     assert "14 nodes x 1 H100 SXM" in captured.out and "DOES NOT FIT" in captured.out
-    assert "To fit, change: more local ranks: --set fsdp.num_local_ranks=4" in captured.err
+    assert "To fit, change: more local ranks: --gpus-per-node 4" in captured.err  # the flag that set them
     # --gpus-per-node defaults to the recipe's fsdp.num_local_ranks.
     assert main(["plan", TEN_B, "--nodes", "14", "--bandwidth", "1gbit", "--set", "fsdp.num_local_ranks=4"]) == 0
     assert "14 nodes x 4 H100 SXM" in capsys.readouterr().out
