@@ -10,11 +10,15 @@ from __future__ import annotations
 import datetime
 import threading
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch.distributed as dist
 
 from openprime.core.errors import PeerFailure
 from openprime.core.transport import Rendezvous
+
+T = TypeVar("T")
 
 
 def host_store(host: str = "127.0.0.1", port: int = 0, *, timeout_s: float) -> dist.TCPStore:
@@ -38,15 +42,44 @@ def peer_address(store: dist.Store, peer: int, *, deadline: float, closed: threa
 
     Polled rather than a blocking `get`, which holds its caller until the store's timeout (the connect timeout,
     60 s by default): a transport closed meanwhile (a doomed try's abort) would wait that long for the thread
-    looking up a peer that never came. Raises PeerFailure when `closed` is set, or at `deadline`."""
+    looking up a peer that never came. Each look is itself bounded (`_bounded`): a store whose process does not
+    run (stopped, its machine paused or cut off without a reset) answers neither `check` nor `get`, and torch's
+    client then waits past its own timeout, holding the link's lock that the try's sends and its abort need.
+    Raises PeerFailure when `closed` is set, or at `deadline`."""
     key = f"addr/{peer}"
-    while not store.check([key]):
+    while not _bounded(lambda: store.check([key]), peer, deadline=deadline, closed=closed):
         if closed.is_set():
             raise PeerFailure(peer, "transport is closed")
         if time.monotonic() >= deadline:
             raise PeerFailure(peer, "the peer did not publish its address before the deadline")
         time.sleep(ADDRESS_POLL_S)
-    return store.get(key).decode()
+    return _bounded(lambda: store.get(key), peer, deadline=deadline, closed=closed).decode()
+
+
+def _bounded(call: Callable[[], T], peer: int, *, deadline: float, closed: threading.Event) -> T:
+    """`call()` (a store request) on a daemon thread, waited for until `deadline` or `closed`: PeerFailure then,
+    and the thread is left to end whenever the store answers (or with the process)."""
+    outcome: list = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            outcome.append((True, call()))
+        except BaseException as e:  # handed to the caller
+            outcome.append((False, e))
+        done.set()
+
+    threading.Thread(target=run, daemon=True, name=f"openprime-store-lookup-{peer}").start()
+    while not done.wait(ADDRESS_POLL_S):
+        if closed.is_set():
+            raise PeerFailure(peer, "transport is closed")
+        if time.monotonic() >= deadline:
+            raise PeerFailure(peer, "the rendezvous store did not answer before the deadline (its process stopped, "
+                                    "or its machine cut off?)")
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
 
 
 def connect_store(rendezvous: Rendezvous, timeout_s: float, *, suffix: str = "") -> dist.Store:
