@@ -80,3 +80,20 @@ def test_a_send_to_a_peer_whose_address_a_frozen_store_holds_fails_at_its_deadli
     closer.start()
     closer.join(timeout=10)
     assert not closer.is_alive()
+
+
+@pytest.mark.parametrize("kind", ["tcp", "zmq"])
+def test_a_group_built_on_a_frozen_store_fails_at_the_connect_timeout(store, kind):
+    # The coordinator froze between its view and the group's building: the node hung in the transport's constructor
+    # (the store's handshake is never answered). ElasticDeviceMesh turns the PeerFailure into a failed try.
+    from openprime.core.timeouts import Timeouts
+    from openprime.train.config import TransportConfig, TransportKind
+    from openprime.train.transports import transport_factory
+
+    port, freeze = store
+    freeze()
+    factory = transport_factory(TransportConfig(kind=TransportKind(kind)), Timeouts(connect_s=1.0, op_s=1.0))
+    start = time.monotonic()
+    with pytest.raises(PeerFailure, match="rendezvous store did not answer"):
+        factory(Rendezvous(host="127.0.0.1", port=port, group="run/e1/s0/a0/l0"), 0, 2)
+    assert time.monotonic() - start < 4.0

@@ -83,9 +83,12 @@ def _bounded(call: Callable[[], T], peer: int, *, deadline: float, closed: threa
 
 
 def connect_store(rendezvous: Rendezvous, timeout_s: float, *, suffix: str = "") -> dist.Store:
-    """A client of the rendezvous store, scoped to the group's own key prefix (plus `suffix`)."""
-    return dist.PrefixStore(rendezvous.group + suffix, store_client(rendezvous.host, rendezvous.port,
-                                                                    timeout_s=timeout_s))
+    """A client of the rendezvous store, scoped to the group's own key prefix (plus `suffix`). PeerFailure (peer -1,
+    the store) if the store does not answer within `timeout_s` and a second: a store whose process does not run
+    accepts the connection and never answers its handshake, where torch's client waited past its own timeout."""
+    client = _bounded(lambda: store_client(rendezvous.host, rendezvous.port, timeout_s=timeout_s), -1,
+                      deadline=time.monotonic() + timeout_s + 1.0, closed=threading.Event())
+    return dist.PrefixStore(rendezvous.group + suffix, client)
 
 
 def gloo_group(store: dist.Store, rank: int, world_size: int, *, timeout_s: float,
