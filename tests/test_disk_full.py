@@ -67,15 +67,37 @@ progress.Progress.step = step
 """
 
 
-def test_a_run_whose_log_cannot_be_written_trains_to_its_end(tmp_path):
+# ... and every node's save of the last step (20) fails as on that full disk, where the save of step 10 went through.
+_LAST_SAVE_FAILS = """
+import errno
+from openprime.ckpt import saver
+
+_write_part = saver.write_part
+
+def write_part(root, step, *args, **kwargs):
+    if step == 20:
+        raise OSError(errno.ENOSPC, "No space left on device (injected)")
+    return _write_part(root, step, *args, **kwargs)
+
+saver.write_part = write_part
+"""
+
+
+def test_a_run_whose_log_and_last_checkpoint_cannot_be_written_trains_to_its_end_and_says_what_is_lost(tmp_path):
     """Every node failed on its next progress line (OSError: No space left on device), and the run ended there:
-    found by hand with the log under a file-size limit, 2026-12-06. Now each node warns once and trains on."""
+    found by hand with the log under a file-size limit, 2026-12-06. Now each node warns once and trains on. Its last
+    checkpoint failing after an earlier one saved ends the run non-zero, naming the newest saved step (a hand
+    mutation of the launcher's check, `saved < last`, left every test passing: the run said done, exit 0)."""
     run_dir = tmp_path / "run"
-    proc = _run(run_dir, env={**os.environ, **injecting(tmp_path, _LOG_DISK_FILLS)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _run(run_dir, env={**os.environ, **injecting(tmp_path, _LOG_DISK_FILLS + _LAST_SAVE_FAILS)})
+    out = proc.stdout + proc.stderr
     assert proc.stderr.count("its output cannot be written ([Errno 28] No space left on device); it trains on") == 2
-    assert "failed" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in out, out[-3000:]
     summary = summarize(run_dir)
     assert {node: len(losses) for node, losses in summary.losses.items()} == {0: 20, 1: 20}
     assert summary.hashes_agree and summary.last_checkpoint_step == 20
+    assert list_steps(run_dir / "checkpoints") == [10]  # the injection did what it should
+    assert proc.returncode == 1, out[-3000:]
+    assert "the run's last checkpoint, of step 20, did not finish saving" in out
+    assert "Its newest saved one is step 10" in out
     assert "[node 0] step 20/20" not in proc.stdout  # it went to the full disk, not to this pipe

@@ -486,3 +486,34 @@ def test_tokenizer_tool_says_what_it_cannot_do_before_it_trains(corpus, tmp_path
     (tmp_path / "docs.jsonl").write_text('{"body": "some text"}\n')
     field = _tool(str(tmp_path / "f.json"), str(tmp_path / "docs.jsonl"))
     assert field.returncode == 2 and "set --text-field" in field.stderr, field.stderr
+
+
+VAL_SEQ_LEN, VAL_BATCH_SIZE, VAL_STRIDE = 16, 10, 10**7
+VAL_ROWS = (60, 45)
+
+
+def test_default_validation_batches_score_distinct_sequences(monkeypatch):
+    """validation_batches reads each source's held-out sequences in order, so the default number of batches scores
+    every validation sequence at most once and as many distinct ones as fit. With the per-source position not moving
+    on (a hand mutation), every batch repeated the first few sequences of each source: the eval loss was that of
+    about batch_size sequences, scored num_batches times, and the test above still passed (it counts rows, not
+    distinct rows). Synthetic streams (token = position + source * 10**7) make every sequence tell its source and
+    row, so the check does not depend on real text having no repeated sequence."""
+    import types
+
+    from openprime.train.data import batches as batches_module
+
+    cfg = DataConfig()  # two sources of equal weight
+    assert len(cfg.mixture) == len(VAL_ROWS)
+    streams = [np.arange(n * (VAL_SEQ_LEN + 1), dtype=np.int64) + i * VAL_STRIDE for i, n in enumerate(VAL_ROWS)]
+    monkeypatch.setattr(batches_module, "check_matches", lambda prepared, cfg: None)
+    monkeypatch.setattr(batches_module, "load_tokens", lambda prepared, split, i: streams[i])
+    prepared = types.SimpleNamespace(sources=[object()] * len(VAL_ROWS))
+    drawn = list(validation_batches(prepared, cfg, seq_len=VAL_SEQ_LEN, batch_size=VAL_BATCH_SIZE))
+    assert len(drawn) >= 5
+    firsts = [int(t) for inputs_BL, _ in drawn for t in inputs_BL[:, 0]]
+    rows = [(t // VAL_STRIDE, t % VAL_STRIDE // (VAL_SEQ_LEN + 1)) for t in firsts]
+    assert len(set(rows)) == len(rows), "a validation sequence was scored twice within the default batches"
+    for source in range(len(VAL_ROWS)):  # each source's sequences are read in order from its first
+        mine = [r for s, r in rows if s == source]
+        assert mine == list(range(len(mine)))

@@ -91,3 +91,32 @@ def test_a_runs_summary_counts_the_bytes_of_a_skipped_outer_steps_tries():
     summary = summarize_records(records)
     assert summary.bytes_sent == {0: 2700}
     assert summary.hashes == {1: {0: "a"}}
+
+
+# A node's MFU is its tokens' FLOP/s over the peak of all its devices (fsdp.num_local_ranks of them): the tests above
+# run one local rank, and passing 1 as the number of devices left them passing while a node of 8 GPUs reported 8x.
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_node_of_several_local_ranks_divides_its_mfu_by_them(monkeypatch, ranks):
+    cfg = recipe_config(str(ROOT / "recipes" / "debug.py"),
+                        ["train.num_steps=100", "train.log_every=10", "schedule.num_warmup_steps=10",
+                         "schedule.num_decay_steps=20", f"fsdp.num_local_ranks={ranks}"])
+    tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
+    peak = 2 * tokens_per_step * progress.num_flops_per_token(cfg.model, cfg.train.seq_len)  # 1 s a step: 50%
+    cfg = attrs.evolve(cfg, metrics=attrs.evolve(cfg.metrics, peak_flops=peak))
+    now = [1000.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr("openprime.train.metrics.time.monotonic", lambda: now[0])
+    lines, records = [], []
+    counters = types.SimpleNamespace(num_inner_steps_done=0, num_outer_steps_done=0)
+    node = types.SimpleNamespace(
+        node=0, tokens_per_step=tokens_per_step, device=torch.device("cpu"), counters=counters,
+        mesh=types.SimpleNamespace(view=None), local_mesh=None, tokens=lambda s: s * tokens_per_step,
+        write=lambda kind, **fields: records.append(fields), say=lines.append, evaluate=lambda: 0.0,
+        report_outer=lambda *a, **k: None)
+    p = progress.Progress(cfg, node)
+    for step in range(1, 11):
+        now[0] += 1.0
+        counters.num_inner_steps_done = step
+        p.step(step, 3.0, 1e-3, 1.0, None, grad_norm=1.0, skipped=False)
+    assert records[-1]["mfu"] == pytest.approx(0.5 / ranks)
+    assert f"MFU {50 / ranks:.1f}%" in lines[0], lines[0]
