@@ -116,6 +116,22 @@ def test_stop_and_resume_is_bit_identical(baseline, stopped, tmp_path):
     assert (run_dir / "config.resumed-1.json").is_file()
 
 
+def test_a_node_that_joins_a_resume_in_the_outer_step_it_stops_after_stops_with_the_others(baseline, stopped,
+                                                                                          tmp_path):
+    """A third node (no part of the 2-node checkpoint) caught up in the very outer step the launch stops after. It
+    took itself for "already past the stop", trained to the end alone on a third of the data, and its saves pruned
+    the stop's checkpoint (found 2026-12-07)."""
+    run_dir = _copy(stopped, tmp_path)
+    proc = _run(run_dir, "--nodes", "3", "--resume", str(run_dir / "checkpoints" / "step-00000030"),
+                "--set", "train.stop_after_outer_steps=4")
+    assert proc.stdout.count("stopping after outer step 4 (train.stop_after_outer_steps)") == 3, proc.stdout[-3000:]
+    assert "where it caught up" in proc.stdout and "running to the end" not in proc.stdout
+    saved = run_dir / "checkpoints" / "step-00000040"
+    assert sorted(p.name for p in saved.iterdir()) == ["slot-0", "slot-1", "slot-2"]
+    assert newest_saved(run_dir / "checkpoints", num_nodes=3) == 40
+    assert summarize(run_dir).distinct_hashes[4] == summarize(baseline).distinct_hashes[4]  # one state, the run's
+
+
 @pytest.mark.slow
 def test_a_corrupt_checkpoint_falls_back_to_the_previous_one(baseline, stopped, tmp_path):
     run_dir = _copy(stopped, tmp_path)

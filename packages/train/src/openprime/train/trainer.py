@@ -429,7 +429,13 @@ def run_node(cfg: RunConfig, *, node: int, coordinator: str, run_dir: pathlib.Pa
     try:
         n.start(resume)
         counters, stop_at = n.counters, cfg.train.stop_after_outer_steps
-        if stop_at and counters.num_outer_steps_done >= stop_at:
+        # Where the run stood when this node came: its checkpoint's outer step, or for a node that joined (one
+        # past a checkpoint's nodes in a resume, or a --join) the outer step before the one it caught up in.
+        # A launch that came at or past the stop runs to the end; a joiner that caught up in the very outer step
+        # the others stop after stops with them (it trained on alone to the end, and its saves pruned the stop's
+        # checkpoint: found 2026-12-07).
+        came_at = counters.num_outer_steps_done if n.caught_up is None else n.caught_up.outer_step - 1
+        if stop_at and came_at >= stop_at:
             n.say(f"[node {node}] already past train.stop_after_outer_steps={stop_at}: running to the end")
             stop_at = 0
         progress = Progress(cfg, n)
@@ -437,7 +443,13 @@ def run_node(cfg: RunConfig, *, node: int, coordinator: str, run_dir: pathlib.Pa
             progress.outer_done(counters.num_inner_steps_done, n.caught_up)
         guard = NonFiniteSteps(num_to_stop=cfg.num_nonfinite_steps_to_stop, lr=cfg.optim.lr, say=n.say,
                                node=node)
-        while (step := counters.num_inner_steps_done + 1) <= cfg.train.num_steps:
+        if stop_at and counters.num_outer_steps_done >= stop_at:  # caught up in the stop's outer step
+            if n.checkpoint_due(True):
+                n.save()
+            n.say(f"[node {node}] stopping after outer step {stop_at} (train.stop_after_outer_steps), where it "
+                  f"caught up; continue with --resume latest")
+        while (step := counters.num_inner_steps_done + 1) <= cfg.train.num_steps and not (
+                stop_at and counters.num_outer_steps_done >= stop_at):
             step_start = time.monotonic()
             inputs_BL, targets_BL = (t.to(n.device, non_blocking=True) for t in next(n.batches))
             lr = n.sched.get_last_lr()[0]
