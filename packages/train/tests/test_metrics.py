@@ -19,6 +19,7 @@ from openprime.train.metrics import (
     progress_line,
     read_records,
     show_info_logs,
+    summarize_records,
 )
 from openprime.train.model import FLAVORS, num_flops_per_token
 
@@ -151,3 +152,16 @@ def test_a_node_prints_live_recovery_info_as_its_lines_and_keeps_warnings_on_std
     finally:
         logger.handlers.clear()
         logger.setLevel(logging.NOTSET)
+
+
+def test_steps_trained_again_after_a_resume_count_once_in_the_summary():
+    # Stopped at step 6, resumed from the checkpoint of step 4: steps 5 and 6 are trained again. The summary read
+    # "over 12 steps" of a 10-step run, and its last losses were in the order they were written.
+    def step(node, k, loss, skipped=False):
+        return {"kind": "step", "node": node, "step": k, "loss": loss, "skipped": skipped}
+
+    first = [step(0, k, 10.0 - k, skipped=k == 6) for k in range(1, 7)]
+    resumed = [step(0, k, 20.0 - k) for k in range(5, 11)]
+    summary = summarize_records(first + resumed)
+    assert summary.losses[0] == [9.0, 8.0, 7.0, 6.0, 15.0, 14.0, 13.0, 12.0, 11.0, 10.0]
+    assert summary.num_skipped == {}  # step 6's skip was the first launch's; its second training was not skipped

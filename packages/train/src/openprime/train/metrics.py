@@ -267,10 +267,12 @@ def summarize(run_dir: pathlib.Path) -> RunSummary:
 
 
 def summarize_records(records: list[dict[str, Any]]) -> RunSummary:
-    losses: dict[int, list[float]] = defaultdict(list)
+    """The run's summary from its records. An inner step trained again after a resume (the steps after the
+    checkpoint it resumed) counts once, as its last record has it: a 200-step run read "over 206 steps"."""
+    step_losses: dict[int, dict[int, float]] = defaultdict(dict)
+    step_skipped: dict[int, dict[int, bool]] = defaultdict(dict)
     hashes: dict[int, dict[int, str]] = defaultdict(dict)
     sent: dict[int, int] = defaultdict(int)
-    skipped: dict[int, int] = defaultdict(int)
     nodes = set()
     last_checkpoint_step = None
     for r in records:
@@ -278,12 +280,14 @@ def summarize_records(records: list[dict[str, Any]]) -> RunSummary:
         if r["kind"] == "checkpoint":
             last_checkpoint_step = max(r["step"], last_checkpoint_step or 0)
         if r["kind"] == "step":
-            losses[r["node"]].append(r["loss"])
-            skipped[r["node"]] += bool(r.get("skipped"))
+            step_losses[r["node"]][r["step"]] = r["loss"]
+            step_skipped[r["node"]][r["step"]] = bool(r.get("skipped"))
         elif r["kind"] == "outer":
             sent[r["node"]] += r["bytes_sent"]  # a skipped outer step's failed tries sent bytes too, as nodes count
             if not r.get("skipped"):
                 hashes[r["outer_step"]][r["node"]] = r["state_hash"]
-    return RunSummary(num_nodes=len(nodes), losses=dict(losses), hashes=dict(hashes), bytes_sent=dict(sent),
+    losses = {node: [by_step[s] for s in sorted(by_step)] for node, by_step in step_losses.items()}
+    skipped = {node: sum(by_step.values()) for node, by_step in step_skipped.items()}
+    return RunSummary(num_nodes=len(nodes), losses=losses, hashes=dict(hashes), bytes_sent=dict(sent),
                       num_skipped={node: k for node, k in skipped.items() if k},
                       last_checkpoint_step=last_checkpoint_step)
