@@ -132,6 +132,17 @@ def test_a_node_that_joins_a_resume_in_the_outer_step_it_stops_after_stops_with_
     assert summarize(run_dir).distinct_hashes[4] == summarize(baseline).distinct_hashes[4]  # one state, the run's
 
 
+def test_resume_latest_with_more_nodes_than_saved_names_the_step_to_resume(stopped, tmp_path, capsys):
+    """`--nodes 3 --resume latest` of a 2-node run said "none complete and intact" of steps that were both, and not
+    the command that works: --resume PATH, whose third node takes the state from the other two."""
+    run_dir = _copy(stopped, tmp_path)
+    proc = _run(run_dir, "--nodes", "3", "--resume", "latest", expect=2)
+    step = run_dir / "checkpoints" / "step-00000030"
+    assert (f"no step under {run_dir / 'checkpoints'} holds the parts of 3 nodes here (--nodes 3); the newest step "
+            f"holding a whole node, 30, holds 2. Resume it with --resume {step}: its 2 node(s) continue from their "
+            f"parts and the other 1 take the state from them at the first outer step") in proc.stderr, proc.stderr
+
+
 @pytest.mark.slow
 def test_a_corrupt_checkpoint_falls_back_to_the_previous_one(baseline, stopped, tmp_path):
     run_dir = _copy(stopped, tmp_path)

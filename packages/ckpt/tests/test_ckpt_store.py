@@ -223,7 +223,7 @@ def test_not_found_says_where_it_looked(tmp_path) -> None:
     with pytest.raises(CheckpointNotFound, match=f"no checkpoint under {tmp_path}"):
         latest(tmp_path)
     (step_dir(tmp_path, 20) / ".tmp-slot-0-1-abc").mkdir(parents=True)  # a save that was killed
-    with pytest.raises(CheckpointNotFound, match="none complete and intact: .*no part finished saving"):
+    with pytest.raises(CheckpointNotFound, match="none complete, intact and enough here: .*no part finished saving"):
         latest(tmp_path)
 
 

@@ -333,8 +333,8 @@ def latest(root: pathlib.Path, *, checksums: bool = True, enough: PartsCheck | N
         return found
     if not steps:
         raise CheckpointNotFound(f"no checkpoint under {root} (looked for step-NNNNNNNN directories)")
-    raise CheckpointNotFound(f"no usable checkpoint under {root}: {len(steps)} step(s), none complete and intact: "
-                             + "; ".join(problems))
+    raise CheckpointNotFound(f"no usable checkpoint under {root}: {len(steps)} step(s), none complete, intact and "
+                             f"enough here: " + "; ".join(problems))
 
 
 def resolve(path: pathlib.Path, *, checksums: bool = True, enough: PartsCheck | None = None) -> Checkpoint:

@@ -345,7 +345,19 @@ def find_checkpoint(spec: str, cfg: CheckpointConfig, run_dir: pathlib.Path, *, 
     node died, the others went on saving steps without it, and `--resume latest` of a launch of every node goes
     back to the last step that node saved (the launch's continue line names both)."""
     if spec == "latest":
-        return usable_nodes(latest(checkpoint_root(cfg, run_dir), enough=nodes_here(num_nodes)))
+        root = checkpoint_root(cfg, run_dir)
+        try:
+            return usable_nodes(latest(root, enough=nodes_here(num_nodes)))
+        except CheckpointNotFound as e:
+            fewer = newest_saved(root, num_nodes=1) if num_nodes > 1 else None
+            held = num_nodes_saved(root, fewer) if fewer is not None else 0
+            if not 0 < held < num_nodes:  # none, or its checksums failed: what latest said is the story
+                raise
+            raise CheckpointNotFound(
+                f"no step under {root} holds the parts of {num_nodes} nodes here (--nodes {num_nodes}); the newest "
+                f"step holding a whole node, {fewer}, holds {held}. Resume it with --resume {step_dir(root, fewer)}: "
+                f"its {held} node(s) continue from their parts and the other {num_nodes - held} take the state from "
+                f"them at the first outer step ({e})") from None
     return usable_nodes(resolve(pathlib.Path(spec), enough=nodes_here(1)))
 
 
