@@ -143,6 +143,24 @@ def test_resume_latest_with_more_nodes_than_saved_names_the_step_to_resume(stopp
             f"parts and the other 1 take the state from them at the first outer step") in proc.stderr, proc.stderr
 
 
+def test_resume_latest_sets_aside_the_later_steps_of_a_node_that_saved_on_alone(stopped, tmp_path):
+    """A node died after step 30 and the other saved step 40 alone; `--resume latest` of both nodes goes back to step
+    30. Step 40 was left in place: status, export and a later resume of fewer nodes took it, another timeline's
+    (found 2026-12-07). It is moved aside, with the command that continues it."""
+    run_dir = _copy(stopped, tmp_path)
+    root = run_dir / "checkpoints"
+    (root / "step-00000040").mkdir()
+    shutil.copytree(root / "step-00000030" / "slot-0", root / "step-00000040" / "slot-0")  # stands in for node 0's
+    proc = _run(run_dir, "--resume", "latest", "--set", "train.stop_after_outer_steps=4")
+    aside = [p for p in root.iterdir() if p.name.startswith("abandoned-after-step-00000030-")]
+    assert len(aside) == 1 and [p.name for p in aside[0].iterdir()] == ["step-00000040"]
+    assert (f"openprime: steps [40] under {root} hold fewer nodes than this launch (a node died and the others saved "
+            f"on without it): moved to {aside[0]}, out of this run's timeline. To continue that timeline instead, stop "
+            f"this launch and resume with --resume {aside[0] / 'step-00000040'}") in proc.stdout
+    assert sorted(p.name for p in (root / "step-00000040").iterdir()) == ["slot-0", "slot-1"]  # this run's own save
+    assert newest_saved(root, num_nodes=2) == 40
+
+
 @pytest.mark.slow
 def test_a_corrupt_checkpoint_falls_back_to_the_previous_one(baseline, stopped, tmp_path):
     run_dir = _copy(stopped, tmp_path)

@@ -500,6 +500,7 @@ def _resume_from(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path
         data_layout_changes,
         find_checkpoint,
         model_changes,
+        num_nodes_saved,
         parts_by_node,
     )
 
@@ -538,7 +539,31 @@ def _resume_from(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path
               f"start (data.on_layout_change=restart)", flush=True)
     print(f"openprime: resuming from {found.path} ({len(nodes)} nodes"
           f"{f' of {ranks} local ranks' if ranks > 1 else ''}, checksums verified)", flush=True)
+    # Later steps that hold a whole node are another timeline's checkpoints; the others are saves a crash cut short,
+    # which the run's own saves replace as before.
+    other_timeline = [step for step in later if num_nodes_saved(root, step) > 0]
+    if other_timeline and not args.join:
+        _set_aside(root, other_timeline, found.step)
     return found
+
+
+def _set_aside(root: pathlib.Path, later: list[int], resumed: int) -> None:
+    """Move the steps after the one `--resume latest` resumed out of the run's checkpoint root: they hold fewer
+    nodes than this launch (a node died and the others saved on without it), so they are another timeline. Left in
+    place, they stayed the run's newest: status, export and the continue line's second command took them, and
+    a later resume of fewer nodes continued the abandoned timeline (found 2026-12-07). Not for a --join launch: on
+    a disk shared by machines, another machine's launch may be reading them."""
+    import datetime
+
+    from openprime.ckpt.store import step_dir
+
+    aside = root / f"abandoned-after-step-{resumed:08d}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    aside.mkdir()
+    for step in later:
+        step_dir(root, step).rename(aside / step_dir(root, step).name)
+    print(f"openprime: steps {later} under {root} hold fewer nodes than this launch (a node died and the others "
+          f"saved on without it): moved to {aside}, out of this run's timeline. To continue that timeline instead, "
+          f"stop this launch and resume with --resume {step_dir(aside, later[-1])}", flush=True)
 
 if __name__ == "__main__":  # as the `openprime` command does it (openprime.train.entry), less its early start
     from openprime.train.entry import main as entry_main
