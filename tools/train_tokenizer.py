@@ -116,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
           f"characters per token on {len(sample):,} of the documents", file=sys.stderr, flush=True)
     try:
         tokenizer.save(str(path))
-    except OSError as e:
-        print(f"error: cannot write {path}: {e.strerror or e}; choose another OUT", file=sys.stderr)
+    except Exception as e:  # tokenizers raises a plain Exception ("No such file or directory (os error 2)")
+        print(f"error: cannot write {path}: {e}; choose another OUT", file=sys.stderr)
         return 2
     size = tokenizer.get_vocab_size()
     print(f"wrote {path}: vocabulary size {size} (end-of-text {EOT_TOKEN} = {tokenizer.token_to_id(EOT_TOKEN)})")

@@ -276,6 +276,25 @@ def test_a_member_restarted_under_its_own_id_is_a_joiner_and_takes_the_state(coo
     _close([clients[0], again])
 
 
+def test_a_new_process_under_the_id_of_a_member_removed_in_a_try_is_not_awaited_in_its_commit(coordinator):
+    """Member node-1 leaves inside the try of outer step 1, and a new process joins under its id before node-0
+    reports: the commit awaited the newcomer's report as the member's, and then evicted it as silent in the commit."""
+    clients = _clients(coordinator, 2)
+    run_threads([lambda c=c: c.sync(0) for c in clients])
+    assert run_threads([lambda c=c: c.commit(0, 0, True) for c in clients]) == [True, True]
+    run_threads([lambda c=c: c.sync(1) for c in clients])
+    clients[1].close()
+    while "node-1" in coordinator.nodes:
+        time.sleep(0.02)
+    again = MeshClient(coordinator.address, FAST, node_id="node-1")
+    again.join()
+    start = time.monotonic()
+    assert clients[0].commit(1, 0, True) is False  # a member was lost: not applied
+    assert time.monotonic() - start < 1.0
+    assert coordinator.evictions == ["node-1"] and "node-1" in coordinator.nodes  # the newcomer stays
+    _close([clients[0], again])
+
+
 def test_an_error_in_the_coordinator_s_periodic_work_is_logged_once_and_it_goes_on_serving(coordinator, caplog):
     """Before 2026-12-07 an exception in the barrier, commit or eviction pass ended the coordinator's thread: a
     launch's coordinator stopped answering without a word and its nodes waited out their sync timeouts."""

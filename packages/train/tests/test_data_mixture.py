@@ -476,6 +476,10 @@ def test_tokenizer_tool_says_what_it_cannot_do_before_it_trains(corpus, tmp_path
         proc = _tool(str(out), str(corpus / "bible"), "--vocab-size", "300")
         assert proc.returncode == 2 and "cannot write" in proc.stderr and "choose another OUT" in proc.stderr, proc
         assert "read source" not in proc.stderr and "Traceback" not in proc.stderr
+    (tmp_path / "dangling.json").symlink_to(tmp_path / "missing-dir" / "t.json")  # passes the early check
+    late = _tool(str(tmp_path / "dangling.json"), str(corpus / "bible"), "--vocab-size", "300",
+                 "--max-chars-per-source", "20000")
+    assert late.returncode == 2 and "error: cannot write" in late.stderr and "Traceback" not in late.stderr, late
     small = _tool(str(tmp_path / "t.json"), str(corpus / "bible"), "--vocab-size", "100")
     assert small.returncode == 2 and "--vocab-size 100 is too small" in small.stderr and "257 tokens" in small.stderr
     (tmp_path / "tiny.txt").write_text("abc abc abd")

@@ -165,3 +165,11 @@ def test_steps_trained_again_after_a_resume_count_once_in_the_summary():
     summary = summarize_records(first + resumed)
     assert summary.losses[0] == [9.0, 8.0, 7.0, 6.0, 15.0, 14.0, 13.0, 12.0, 11.0, 10.0]
     assert summary.num_skipped == {}  # step 6's skip was the first launch's; its second training was not skipped
+
+
+def test_a_resumed_launch_that_stops_earlier_than_the_abandoned_one_ends_on_its_own_last_loss():
+    # Trained to step 13 and crashed; resumed from the checkpoint of step 10 and stopped at step 12: the summary
+    # read the crashed timeline's loss of step 13 and "over 13 steps".
+    first = [{"kind": "step", "node": 0, "step": k, "loss": float(k)} for k in range(1, 14)]
+    resumed = [{"kind": "step", "node": 0, "step": k, "loss": 100.0 + k} for k in (11, 12)]
+    assert summarize_records(first + resumed).losses[0] == [*map(float, range(1, 11)), 111.0, 112.0]

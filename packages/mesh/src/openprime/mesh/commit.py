@@ -51,6 +51,12 @@ class Committee:
     waiting: dict[str, tuple[bytes, int]] = attrs.Factory(dict)  # member -> (route, req) of its report
     reported_at: dict[str, float] = attrs.Factory(dict)  # when each member reported (Coordinator._now)
     unreachable: set[tuple[str, str]] = attrs.Factory(set)  # (member, a member it could not connect to)
+    # Members removed during the try: a new process joining under one's id (ids fixed by the caller) is not it.
+    gone: set[str] = attrs.Factory(set)
+
+    def live(self, nodes: Collection[str]) -> list[str]:
+        """The members still in the run (among `nodes`, the coordinator's) and not removed during the try."""
+        return [m for m in self.members if m in nodes and m not in self.gone]
 
 
 @attrs.define(frozen=True)
@@ -108,6 +114,7 @@ class Commits:
     def removed(self, node: str, why: str) -> None:
         """A member of the try under way was removed: the try cannot be applied."""
         if self.committee is not None and node in self.committee.members:
+            self.committee.gone.add(node)
             self.doom(f"node {node} was removed: {why}")
 
     def doom(self, why: str) -> None:

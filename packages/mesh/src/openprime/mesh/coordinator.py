@@ -608,10 +608,10 @@ class Coordinator:
         # it as late after the first report as a straggler at the barrier (stragglers.py). A coordinator that just
         # (re)started evicts nobody here, as at the barrier: the members resend their reports first.
         if not self._just_started():
-            for m, waited_s in self._clock.late_in_commit(self._now(), committee.members, committee.reported_at,
-                                                          self.nodes):
+            for m, waited_s in self._clock.late_in_commit(self._now(), committee.live(self.nodes),
+                                                          committee.reported_at, self.nodes):
                 self._remove(m, reasons.silent_in_commit(committee.step, waited_s))
-        decision = self.commits.decide([m for m in committee.members if m in self.nodes], self._now())
+        decision = self.commits.decide(committee.live(self.nodes), self._now())
         if decision is not None:
             for route, req in decision.committee.waiting.values():
                 self._reply(route, req, {"op": "decision", "apply": decision.apply})

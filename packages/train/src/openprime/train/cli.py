@@ -376,15 +376,18 @@ def _start(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path, over
            prepared: PreparedData, *, in_use: bool) -> int:
     """The launch, once it holds its run directory (or, `in_use`, joins the run of the launch that holds it): the
     directory and the checkpoint checked, the run's files written, the nodes started and waited for."""
+    from openprime.train.checkpointing import checkpoint_root
     from openprime.train.launcher import launch, write_run_files
 
     resume = None
     try:
         first_node = _check_run_dir(args, cfg, run_dir, in_use=in_use)
         if args.resume:
-            resume = _resume_from(args, cfg, run_dir, prepared)
+            resume, other_timeline = _resume_from(args, cfg, run_dir, prepared)
             if resume.step >= cfg.train.num_steps:
                 return _nothing_to_train(resume, cfg.train.num_steps, run_dir)
+            if other_timeline:  # once the launch goes ahead
+                _set_aside(checkpoint_root(cfg.checkpoint, run_dir), other_timeline, resume.step)
     except OpenPrimeError as e:
         return _error(str(e))
     try:
@@ -493,8 +496,9 @@ def _check_shared_run_dir(cfg: RunConfig, run_dir: pathlib.Path, coordinator: st
 
 
 def _resume_from(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path,
-                 prepared: PreparedData) -> Checkpoint:
-    """The checkpoint that `--resume` names, checked against the nodes asked for."""
+                 prepared: PreparedData) -> tuple[Checkpoint, list[int]]:
+    """The checkpoint that `--resume` names, checked against the nodes asked for, and the later steps of another
+    timeline to set aside (`_set_aside`) if the launch goes ahead."""
     from openprime.train.checkpointing import (
         checkpoint_root,
         data_layout_changes,
@@ -541,10 +545,12 @@ def _resume_from(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path
           f"{f' of {ranks} local ranks' if ranks > 1 else ''}, checksums verified)", flush=True)
     # Later steps that hold a whole node are another timeline's checkpoints; the others are saves a crash cut short,
     # which the run's own saves replace as before.
+    # Only under the run directory this launch holds locked: a checkpoint.directory elsewhere may be another live
+    # run's, still writing those steps.
     other_timeline = [step for step in later if num_nodes_saved(root, step) > 0]
-    if other_timeline and not args.join:
-        _set_aside(root, other_timeline, found.step)
-    return found
+    if args.join or not root.resolve().is_relative_to(run_dir.resolve()):
+        other_timeline = []
+    return found, other_timeline
 
 
 def _set_aside(root: pathlib.Path, later: list[int], resumed: int) -> None:
@@ -558,9 +564,13 @@ def _set_aside(root: pathlib.Path, later: list[int], resumed: int) -> None:
     from openprime.ckpt.store import step_dir
 
     aside = root / f"abandoned-after-step-{resumed:08d}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
-    aside.mkdir()
-    for step in later:
-        step_dir(root, step).rename(aside / step_dir(root, step).name)
+    try:
+        aside.mkdir()
+        for step in later:
+            step_dir(root, step).rename(aside / step_dir(root, step).name)
+    except OSError as e:
+        raise ConfigError(f"cannot move the later steps {later} of {root} aside ({e.strerror or e}: {e.filename}): "
+                          f"they are another timeline's; move them out of {root} yourself, then resume") from None
     print(f"openprime: steps {later} under {root} hold fewer nodes than this launch (a node died and the others "
           f"saved on without it): moved to {aside}, out of this run's timeline. To continue that timeline instead, "
           f"stop this launch and resume with --resume {step_dir(aside, later[-1])}", flush=True)

@@ -267,8 +267,10 @@ def summarize(run_dir: pathlib.Path) -> RunSummary:
 
 
 def summarize_records(records: list[dict[str, Any]]) -> RunSummary:
-    """The run's summary from its records. An inner step trained again after a resume (the steps after the
-    checkpoint it resumed) counts once, as its last record has it: a 200-step run read "over 206 steps"."""
+    """The run's summary from its records. A node's step record at or below a step it already recorded starts a
+    new timeline (a resume from a checkpoint): its earlier records from that step on are dropped, so a step trained
+    again counts once (a 200-step run read "over 206 steps") and a resumed launch that stops earlier than the
+    abandoned one got ends on its own last loss."""
     step_losses: dict[int, dict[int, float]] = defaultdict(dict)
     step_skipped: dict[int, dict[int, bool]] = defaultdict(dict)
     hashes: dict[int, dict[int, str]] = defaultdict(dict)
@@ -280,13 +282,18 @@ def summarize_records(records: list[dict[str, Any]]) -> RunSummary:
         if r["kind"] == "checkpoint":
             last_checkpoint_step = max(r["step"], last_checkpoint_step or 0)
         if r["kind"] == "step":
-            step_losses[r["node"]][r["step"]] = r["loss"]
-            step_skipped[r["node"]][r["step"]] = bool(r.get("skipped"))
+            mine, k = step_losses[r["node"]], r["step"]
+            if mine and k <= next(reversed(mine)):  # kept in step order: the last is the highest
+                for later in [s for s in mine if s >= k]:
+                    del mine[later]
+                    step_skipped[r["node"]].pop(later, None)
+            mine[k] = r["loss"]
+            step_skipped[r["node"]][k] = bool(r.get("skipped"))
         elif r["kind"] == "outer":
             sent[r["node"]] += r["bytes_sent"]  # a skipped outer step's failed tries sent bytes too, as nodes count
             if not r.get("skipped"):
                 hashes[r["outer_step"]][r["node"]] = r["state_hash"]
-    losses = {node: [by_step[s] for s in sorted(by_step)] for node, by_step in step_losses.items()}
+    losses = {node: list(by_step.values()) for node, by_step in step_losses.items()}
     skipped = {node: sum(by_step.values()) for node, by_step in step_skipped.items()}
     return RunSummary(num_nodes=len(nodes), losses=losses, hashes=dict(hashes), bytes_sent=dict(sent),
                       num_skipped={node: k for node, k in skipped.items() if k},
