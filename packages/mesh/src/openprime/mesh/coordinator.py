@@ -514,10 +514,11 @@ class Coordinator:
         members = self._ring_order(live_members, joiners)
         if live_members:
             self.blame.admitted(joiners)  # joining a ring that works; they prove themselves in an applied step
-        if members != self.members or not live_members:
-            # A new set, or the same set in a new order: either way new groups. A first view (no live member) is a
-            # new run's even with the earlier run's members in the same order (fixed node ids): its tries must not
-            # meet the earlier run's decisions (keyed by epoch, step and try) nor its groups' rendezvous keys.
+        if members != self.members:
+            # A new set, or the same set in a new order: either way new groups. A first view always differs from the
+            # last: a joiner is never in self.members (_on_join takes a removed member's id out of it), so a later
+            # run of the same fixed ids does not meet the earlier run's decisions (keyed by epoch, step and try) nor
+            # its groups' rendezvous keys.
             self.epoch += 1
         self.members, self.step = members, step
         skip = attempt >= self.config.num_all_reduce_tries
