@@ -113,6 +113,20 @@ def test_a_resume_without_the_checkpoint_directory_the_run_saves_in_names_it(cap
            f"in {run_dir / 'checkpoints'}: add --set checkpoint.directory='{elsewhere}'" in err, err
 
 
+def test_a_launch_that_ended_hands_its_run_lock_to_no_later_node(capsys, tmp_path):
+    """A launch refused once it held its run directory's lock left the lock's descriptor handed to the nodes after the
+    file was closed: every node this process started later was sent that closed or reused descriptor, and one CI
+    run's send failed and killed the fork server under 17 elastic tests (2026-12-07)."""
+    from openprime.train.processes import run_lock_handed
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    assert main(["run", DEBUG, "--run-dir", str(run_dir), "--resume", "latest"]) == 2  # no checkpoint to resume
+    assert "no checkpoint under" in capsys.readouterr().err
+    assert (run_dir / ".openprime.lock").exists()  # it was refused holding the lock
+    assert run_lock_handed() is None
+
+
 def test_a_launch_joining_a_run_may_share_only_the_live_run_s_directory(capsys, tmp_path, monkeypatch):
     # Found by hand: a `--join` launch into the directory of a finished run appended its records to that run's, and
     # its first checkpoints were pruned at once as older than that run's newest; the hint then named the old run's.

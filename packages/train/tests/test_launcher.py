@@ -410,13 +410,13 @@ def test_run_files_keep_recipes_of_the_same_name_and_a_joined_launchs_config_apa
 
 LOCK_LAUNCH_AND_HANG = """
 import pathlib, sys, time
-from openprime.train.processes import NodeProcess, hand_run_lock_to_nodes
+from openprime.train.processes import NodeProcess, nodes_hold_run_lock
 from openprime.train.run_lock import RunDirLock
 if __name__ == "__main__":
     lock = RunDirLock(pathlib.Path(sys.argv[1]), shared=False)
-    hand_run_lock_to_nodes(lock.fileno)
-    node = NodeProcess(target=time.sleep, args=(120,), name="node-0")
-    node.start()
+    with nodes_hold_run_lock(lock.fileno):
+        node = NodeProcess(target=time.sleep, args=(120,), name="node-0")
+        node.start()
     print(node.pid, flush=True)
     time.sleep(120)
 """

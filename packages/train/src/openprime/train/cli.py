@@ -42,7 +42,7 @@ from openprime.train.data import PreparedData, prepare_data
 from openprime.train.hardware import check_hardware
 from openprime.train.metrics import METRICS_FILE, records_of_kind
 from openprime.train.model import Llama, count_parameters
-from openprime.train.processes import hand_run_lock_to_nodes
+from openprime.train.processes import nodes_hold_run_lock
 from openprime.train.recipe import loaded_recipe_files, recipe_config
 from openprime.train.run_lock import RunDirInUse, RunDirLock, new_run_dir
 from openprime.train.site import site_overrides
@@ -353,9 +353,8 @@ def _main(argv: list[str] | None) -> int:
     except OSError as e:
         return _unwritable(run_dir, e)
     in_use = lock.beside
-    with lock:
-        # The nodes hold the lock too, until the last has exited (a killed launcher's nodes live on for seconds).
-        hand_run_lock_to_nodes(lock.fileno)
+    # The nodes hold the lock too, until the last has exited (a killed launcher's nodes live on for seconds).
+    with lock, nodes_hold_run_lock(lock.fileno):
         return _start(args, cfg, run_dir, overrides, prepared, in_use=in_use)
 
 

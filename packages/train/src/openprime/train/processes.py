@@ -121,22 +121,39 @@ def dump_stacks(procs: list[tuple[str, int]], settle_s: float = 0.5) -> list[str
 
 
 # The descriptor of the run directory's lock (openprime.train.run_lock) that the launching process holds, if any:
-# every node process started from now on holds it too (`hand_run_lock_to_nodes`).
+# every node process started while it is handed (`nodes_hold_run_lock`) holds it too.
 _run_lock_fd: int | None = None
 
 
-def hand_run_lock_to_nodes(fd: int | None) -> None:
-    """The node processes started from now on hold the run directory's lock (`fd`, the launcher's lock file) too, as
-    long as they live. The lock is the open file's (flock), so the launch holds its directory until its last node
-    has exited: after a kill -9 of the launcher its nodes went on for seconds (a checkpoint write under way, up to
-    checkpoint.stop_wait_s) while a new launch could take the directory and resume beside them (found 2026-12-07)."""
+@contextlib.contextmanager
+def nodes_hold_run_lock(fd: int) -> Iterator[None]:
+    """The node processes started inside this block hold the run directory's lock (`fd`, the launcher's lock file)
+    too, as long as they live. The lock is the open file's (flock), so the launch holds its directory until its last
+    node has exited: after a kill -9 of the launcher its nodes went on for seconds (a checkpoint write under way, up
+    to checkpoint.stop_wait_s) while a new launch could take the directory and resume beside them (found 2026-12-07).
+
+    The block must end before the lock file is closed. A plain setter left the number behind once a launch ended:
+    in a process that launched again (the suite runs `openprime run` in-process), every later node was sent that
+    closed or reused descriptor through the fork server; one CI run's send failed and killed the server, and 17
+    elastic tests after it could not start a node (2026-12-07)."""
     global _run_lock_fd
+    if _run_lock_fd is not None:
+        raise RuntimeError(f"the nodes already hold a run lock (descriptor {_run_lock_fd}): one launch per process")
     _run_lock_fd = fd
+    try:
+        yield
+    finally:
+        _run_lock_fd = None
+
+
+def run_lock_handed() -> int | None:
+    """The descriptor the node processes started now are handed (`nodes_hold_run_lock`), or None."""
+    return _run_lock_fd
 
 
 class _Inherited:
     """The launching process's stdout, stderr and environment at `NodeProcess.start()`, for the new process, and the
-    run directory's lock when it holds one (`hand_run_lock_to_nodes`).
+    run directory's lock while it is handed to them (`nodes_hold_run_lock`).
 
     Pickled with the process object: the descriptors travel with the start request (`reduction.DupFd`: SCM_RIGHTS
     through the fork server); `adopt()` in the new process points its own 1 and 2 at them and keeps the lock's open.

@@ -178,7 +178,7 @@ def _describe(path: pathlib.Path) -> str:
     holders = lock_holders(path)
     if holders is not None:
         return holders
-    try:  # its launch is gone: its nodes, which hold the lock too until they exit (processes.hand_run_lock_to_nodes)
+    try:  # its launch is gone: its nodes, which hold the lock too until they exit (processes.nodes_hold_run_lock)
         holder = json.loads(path.read_text())
         return (f"the node processes of launch pid {holder['pid']}, which ended ({holder['command']}); they leave "
                 f"within seconds of it, or once the checkpoint write under way ends (checkpoint.stop_wait_s at most)")
