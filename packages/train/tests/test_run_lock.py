@@ -53,6 +53,35 @@ def test_a_directory_made_for_a_launch_that_wrote_nothing_is_removed(tmp_path):
     assert (tmp_path / "existing").is_dir()  # not this launch's to remove
 
 
+@pytest.mark.parametrize("shared", [True, False], ids=["joined", "own"])
+def test_a_launch_whose_lock_files_were_removed_as_it_opened_them_locks_them_made_again(tmp_path, monkeypatch,
+                                                                                      shared):
+    """A launch that made a directory and wrote nothing removes it as it ends; another launch (here --join, or one of
+    its own) that had opened the lock files just before locked the removed files, in a removed directory: it
+    held nothing a third launch could see, and its run directory was gone (review of 2026-12-07)."""
+    run_dir = tmp_path / "run"
+    first = RunDirLock(run_dir, shared=False)  # made the directory; releases (and removes it) between open and lock
+    flock = run_lock.fcntl.flock
+    calls = []
+
+    def flock_after_the_first_ended(fd, op):
+        calls.append(op)
+        if len(calls) == 1:
+            first.release()  # its own flock (to see that no launch joined) goes through this too
+        return flock(fd, op)
+
+    monkeypatch.setattr(run_lock.fcntl, "flock", flock_after_the_first_ended)
+    second = RunDirLock(run_dir, shared=shared)
+    monkeypatch.undo()
+    held = os.fstat(second.fileno)
+    at = (run_dir / (JOINED_LOCK_NAME if shared else LOCK_NAME)).stat()
+    assert (held.st_dev, held.st_ino) == (at.st_dev, at.st_ino)
+    with pytest.raises(ConfigError, match="in use by another openprime launch"):
+        RunDirLock(run_dir, shared=not shared)  # a third launch sees it
+    second.release()
+    assert run_dir.exists() == shared  # made again by the second, which wrote nothing: a launch of its own removes it
+
+
 def test_the_lock_goes_with_its_holder_when_it_is_killed(tmp_path):
     holder = _holding(tmp_path, shared=False)
     try:

@@ -48,6 +48,9 @@ except ImportError:  # not on Windows: no lock, as on a filesystem that refuses 
 
 LOCK_NAME = ".openprime.lock"
 JOINED_LOCK_NAME = ".openprime.joined.lock"  # held shared by the launches joined to a coordinator (--join)
+# Each try that finds its lock files removed under it (a launch that made the directory and wrote nothing removed
+# it, `_remove_unused_dir`) makes them again; only a program that keeps removing the directory exhausts these.
+NUM_LOCK_TRIES = 5
 
 
 class RunDirInUse(ConfigError):
@@ -63,24 +66,40 @@ class RunDirLock:
         its own coordinator holds the directory, hold the joined lock alone (`self.beside` is then True) instead of
         refusing; the caller checks that this launch joins that very run."""
         self.run_dir, self.shared, self.beside = run_dir, shared, False
+        self._fd = self._joined_fd = None
+        self._held = False  # this lock's own: the record in the file, and the directory if it made it
+        for _ in range(NUM_LOCK_TRIES):
+            if self._take(run_dir, new=new, beside=beside):
+                return
+            new = False  # the directory went away under the lock files it opened: make it again, if it must
+        raise RunDirInUse(f"{run_dir} was removed {NUM_LOCK_TRIES} times while this launch took its lock: another "
+                          f"program removes it; choose another --run-dir")
+
+    def _take(self, run_dir: pathlib.Path, *, new: bool, beside: bool) -> bool:
+        """Open and lock the lock files (RunDirInUse if another launch holds them); False if a launch that made the
+        directory removed them meanwhile, unused (`_remove_unused_dir`): the locks taken were on files no longer
+        there, and a launch joined into that directory found it gone."""
         self.created_dir = new or not run_dir.exists()
         run_dir.mkdir(parents=True, exist_ok=not new)
         self.path = run_dir / LOCK_NAME
-        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        self._joined_fd: int | None = os.open(run_dir / JOINED_LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-        self._held = False  # this lock's own: the record in the file, and the directory if it made it
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._joined_fd = os.open(run_dir / JOINED_LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
         if fcntl is None:
-            return
+            return True
         try:
-            if shared:
+            if self.shared:
                 fcntl.flock(self._joined_fd, fcntl.LOCK_SH)  # waits only while a launch of its own looks (below)
             elif not _try_flock(self._joined_fd, fcntl.LOCK_EX):
                 self._refuse(run_dir)  # a joined launch (or its nodes) still writes here
-            if not _try_flock(self._fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX):
-                if not (shared and beside):
+            if not _try_flock(self._fd, fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX):
+                if not (self.shared and beside):
                     self._refuse(run_dir)
                 self.beside = True  # held by a launch with its own coordinator: the joined lock alone
-            if not shared:
+            if not (_is_at(self._fd, self.path) and _is_at(self._joined_fd, run_dir / JOINED_LOCK_NAME)):
+                self.release()
+                self.beside = False
+                return False
+            if not self.shared:
                 fcntl.flock(self._joined_fd, fcntl.LOCK_UN)
                 os.close(self._joined_fd)
                 self._joined_fd = None
@@ -89,11 +108,12 @@ class RunDirLock:
                 raise
             print(f"openprime: note: the filesystem of {run_dir} does not support locks ({e.strerror}): make sure no "
                   f"other launch uses this run directory", file=sys.stderr, flush=True)
-            return
+            return True
         self._held = True
-        if not shared:
+        if not self.shared:
             os.ftruncate(self._fd, 0)
             os.write(self._fd, (json.dumps(_holder()) + "\n").encode())
+        return True
 
     def _refuse(self, run_dir: pathlib.Path) -> None:
         """Let go of what this lock holds and raise RunDirInUse naming the launch that holds the directory."""
@@ -134,7 +154,13 @@ class RunDirLock:
             if fcntl is None or _try_flock(joined, fcntl.LOCK_EX):
                 for name in (LOCK_NAME, JOINED_LOCK_NAME):
                     (self.run_dir / name).unlink(missing_ok=True)
-                self.run_dir.rmdir()
+                # A launch that opened the lock files before they went sees it and makes them again (`_take`); one
+                # that made them again already, or wrote into the directory, keeps it.
+                try:
+                    self.run_dir.rmdir()
+                except OSError as e:
+                    if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
+                        raise
         finally:
             os.close(joined)
 
@@ -143,6 +169,16 @@ class RunDirLock:
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: types.TracebackType | None) -> None:
         self.release()
+
+
+def _is_at(fd: int, path: pathlib.Path) -> bool:
+    """Whether the open file `fd` is still the one at `path` (not removed, nor replaced by a new file)."""
+    try:
+        at = path.stat()
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (held.st_dev, held.st_ino) == (at.st_dev, at.st_ino)
 
 
 def _try_flock(fd: int, op: int) -> bool:
