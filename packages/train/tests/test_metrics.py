@@ -173,3 +173,22 @@ def test_a_resumed_launch_that_stops_earlier_than_the_abandoned_one_ends_on_its_
     first = [{"kind": "step", "node": 0, "step": k, "loss": float(k)} for k in range(1, 14)]
     resumed = [{"kind": "step", "node": 0, "step": k, "loss": 100.0 + k} for k in (11, 12)]
     assert summarize_records(first + resumed).losses[0] == [*map(float, range(1, 11)), 111.0, 112.0]
+
+
+def test_the_hashes_of_an_abandoned_timeline_go_with_it():
+    # Nodes 0-2 trained outer steps 1-3 (H = 2) and node 2 died; 0 and 1 were resumed from step 2 and trained outer
+    # steps 2-3 again, on other weights. Node 2's hashes of the abandoned outer steps 2 and 3 stayed beside theirs: the
+    # replicas "disagreed" at steps that had agreed, and a resume that stopped at outer step 2 showed outer step 3.
+    def step(node, k):
+        return {"kind": "step", "node": node, "step": k, "loss": 1.0}
+
+    def outer(node, o, state_hash):
+        return {"kind": "outer", "node": node, "outer_step": o, "step": 2 * o, "state_hash": state_hash,
+                "bytes_sent": 1}
+
+    first = [r for o in (1, 2, 3) for n in range(3) for r in (step(n, 2 * o - 1), step(n, 2 * o), outer(n, o, f"a{o}"))]
+    resumed = [step(0, 3), step(1, 3), step(0, 4), step(1, 4), outer(1, 2, "b2"), outer(0, 2, "b2")]
+    summary = summarize_records(first + resumed)
+    assert summary.hashes == {1: {0: "a1", 1: "a1", 2: "a1"}, 2: {0: "b2", 1: "b2"}}
+    assert summary.hashes_agree and summary.num_outer_steps == 2
+    assert summary.bytes_sent == {0: 4, 1: 4, 2: 3}  # what was sent was sent, in either timeline

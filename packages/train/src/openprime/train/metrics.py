@@ -270,15 +270,21 @@ def summarize_records(records: list[dict[str, Any]]) -> RunSummary:
     """The run's summary from its records. A node's step record at or below a step it already recorded starts a
     new timeline (a resume from a checkpoint): its earlier records from that step on are dropped, so a step trained
     again counts once (a 200-step run read "over 206 steps") and a resumed launch that stops earlier than the
-    abandoned one got ends on its own last loss."""
+    abandoned one got ends on its own last loss. Its global-state hashes from that step on go with it, and those of
+    the nodes that wrote nothing after it (not in the resumed launch): left beside the new timeline's, they were a
+    disagreement that never happened, and status named an outer step the resumed launch had not reached."""
     step_losses: dict[int, dict[int, float]] = defaultdict(dict)
     step_skipped: dict[int, dict[int, bool]] = defaultdict(dict)
     hashes: dict[int, dict[int, str]] = defaultdict(dict)
     sent: dict[int, int] = defaultdict(int)
+    hash_at: dict[tuple[int, int], int] = {}  # (outer step, node) -> the inner step of its hash record
+    restarts: list[tuple[int, int]] = []  # (record index, step) of each node's new timeline
+    last_record: dict[int, int] = {}  # node -> the index of its last record
     nodes = set()
     last_checkpoint_step = None
-    for r in records:
+    for i, r in enumerate(records):
         nodes.add(r["node"])
+        last_record[r["node"]] = i
         if r["kind"] == "checkpoint":
             last_checkpoint_step = max(r["step"], last_checkpoint_step or 0)
         if r["kind"] == "step":
@@ -287,12 +293,22 @@ def summarize_records(records: list[dict[str, Any]]) -> RunSummary:
                 for later in [s for s in mine if s >= k]:
                     del mine[later]
                     step_skipped[r["node"]].pop(later, None)
+                restarts.append((i, k))
+                for outer_step, by_node in hashes.items():
+                    if hash_at[(outer_step, r["node"])] >= k:
+                        by_node.pop(r["node"], None)
             mine[k] = r["loss"]
             step_skipped[r["node"]][k] = bool(r.get("skipped"))
         elif r["kind"] == "outer":
             sent[r["node"]] += r["bytes_sent"]  # a skipped outer step's failed tries sent bytes too, as nodes count
             if not r.get("skipped"):
                 hashes[r["outer_step"]][r["node"]] = r["state_hash"]
+                hash_at[(r["outer_step"], r["node"])] = r["step"]
+    for outer_step, by_node in hashes.items():  # a node gone before a restart had its hashes in the old timeline
+        for node in [n for n in by_node if any(hash_at[(outer_step, n)] >= k and last_record[n] < i
+                                               for i, k in restarts)]:
+            del by_node[node]
+    hashes = {outer_step: by_node for outer_step, by_node in hashes.items() if by_node}
     losses = {node: list(by_step.values()) for node, by_step in step_losses.items()}
     skipped = {node: sum(by_step.values()) for node, by_step in step_skipped.items()}
     return RunSummary(num_nodes=len(nodes), losses=losses, hashes=dict(hashes), bytes_sent=dict(sent),
