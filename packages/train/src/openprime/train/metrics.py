@@ -303,7 +303,7 @@ def summarize_records(records: list[dict[str, Any]]) -> RunSummary:
             sent[r["node"]] += r["bytes_sent"]  # a skipped outer step's failed tries sent bytes too, as nodes count
             if not r.get("skipped"):
                 hashes[r["outer_step"]][r["node"]] = r["state_hash"]
-                hash_at[(r["outer_step"], r["node"])] = r["step"]
+                hash_at[(r["outer_step"], r["node"])] = r.get("step", -1)  # -1: not said, kept
     for outer_step, by_node in hashes.items():  # a node gone before a restart had its hashes in the old timeline
         for node in [n for n in by_node if any(hash_at[(outer_step, n)] >= k and last_record[n] < i
                                                for i, k in restarts)]:
