@@ -440,9 +440,37 @@ def test_the_command_line_spelling_of_a_mixture():
 # ---------------------------------------------------------------- tools/train_tokenizer.py
 
 
+TOKENIZER_TOOL = ROOT / "tools" / "train_tokenizer.py"
+
+
 def _tool(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "tools" / "train_tokenizer.py"), *args], capture_output=True,
-                          text=True, timeout=120)
+    """The tool run as a command (its `__main__`, in a process of its own)."""
+    return subprocess.run([sys.executable, str(TOKENIZER_TOOL), *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def tool(monkeypatch):
+    """The tool's `main` run in this process, as `_tool` runs the command: each command paid about 3 s of imports
+    (torch, openprime.train), 20 s of this file's time for its error paths. Single-threaded: the tokenizers
+    library's worker threads in the test process made its later forks (the node processes) warn."""
+    import contextlib
+    import importlib.util
+    import io
+
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    spec = importlib.util.spec_from_file_location("train_tokenizer", TOKENIZER_TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = module.main(list(args))
+            except SystemExit as e:  # argparse: --help, a usage error
+                code = e.code if isinstance(e.code, int) else 2
+        return subprocess.CompletedProcess(["train_tokenizer.py", *args], code, out.getvalue(), err.getvalue())
+    return run
 
 
 def test_tokenizer_tool_trains_on_local_files(corpus, tmp_path):
@@ -460,34 +488,34 @@ def test_tokenizer_tool_trains_on_local_files(corpus, tmp_path):
     assert tokenizer.token_to_id("<|end_of_text|>") == 0
 
 
-def test_tokenizer_tool_help_and_errors(tmp_path):
-    help_text = _tool("--help")
+def test_tokenizer_tool_help_and_errors(tool, tmp_path):
+    help_text = tool("--help")
     assert help_text.returncode == 0 and ".jsonl" in help_text.stdout and "--recipe" in help_text.stdout
-    missing = _tool(str(tmp_path / "t.json"), str(tmp_path / "nowhere"))
+    missing = tool(str(tmp_path / "t.json"), str(tmp_path / "nowhere"))
     assert missing.returncode == 2 and "nowhere does not exist" in missing.stderr
-    assert _tool(str(tmp_path / "t.json")).returncode == 2  # neither sources nor --recipe
+    assert tool(str(tmp_path / "t.json")).returncode == 2  # neither sources nor --recipe
 
 
-def test_tokenizer_tool_says_what_it_cannot_do_before_it_trains(corpus, tmp_path):
+def test_tokenizer_tool_says_what_it_cannot_do_before_it_trains(tool, corpus, tmp_path):
     # An OUT it cannot create was a traceback after the training (found 2026-12-07); a vocabulary the text cannot
     # fill was written smaller without a word; --vocab-size 0 said "must be >= 1".
     (tmp_path / "a-file").write_text("")
-    proc = _tool(str(tmp_path / "a-file" / "t.json"), str(corpus / "bible"), "--vocab-size", "300")
+    proc = tool(str(tmp_path / "a-file" / "t.json"), str(corpus / "bible"), "--vocab-size", "300")
     assert proc.returncode == 2 and "cannot write" in proc.stderr and "choose another OUT" in proc.stderr, proc
     assert "read source" not in proc.stderr and "Traceback" not in proc.stderr
     (tmp_path / "dangling.json").symlink_to(tmp_path / "missing-dir" / "t.json")  # passes the early check
-    late = _tool(str(tmp_path / "dangling.json"), str(corpus / "bible"), "--vocab-size", "300",
-                 "--max-chars-per-source", "20000")
+    late = tool(str(tmp_path / "dangling.json"), str(corpus / "bible"), "--vocab-size", "300",
+                "--max-chars-per-source", "20000")
     assert late.returncode == 2 and "error: cannot write" in late.stderr and "Traceback" not in late.stderr, late
-    small = _tool(str(tmp_path / "t.json"), str(corpus / "bible"), "--vocab-size", "100")
+    small = tool(str(tmp_path / "t.json"), str(corpus / "bible"), "--vocab-size", "100")
     assert small.returncode == 2 and "--vocab-size 100 is too small" in small.stderr and "257 tokens" in small.stderr
     (tmp_path / "tiny.txt").write_text("abc abc abd")
-    tiny = _tool(str(tmp_path / "tiny.json"), str(tmp_path / "tiny.txt"), "--vocab-size", "5000")
+    tiny = tool(str(tmp_path / "tiny.json"), str(tmp_path / "tiny.txt"), "--vocab-size", "5000")
     assert tiny.returncode == 0 and "warning: the text holds only" in tiny.stderr
     size = int(tiny.stdout.split("vocabulary size ")[1].split()[0])
     assert size < 5000 and f"model.vocab_size={size} and data.vocab_size={size}" in tiny.stderr
     (tmp_path / "docs.jsonl").write_text('{"body": "some text"}\n')
-    field = _tool(str(tmp_path / "f.json"), str(tmp_path / "docs.jsonl"))
+    field = tool(str(tmp_path / "f.json"), str(tmp_path / "docs.jsonl"))
     assert field.returncode == 2 and "set --text-field" in field.stderr, field.stderr
 
 
