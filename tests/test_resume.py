@@ -174,17 +174,20 @@ def test_resume_latest_sets_aside_the_later_steps_of_a_node_that_saved_on_alone(
 
 
 @pytest.mark.slow
-def test_a_corrupt_checkpoint_falls_back_to_the_previous_one(baseline, stopped, tmp_path):
+def test_a_corrupt_checkpoint_falls_back_to_the_previous_one(stopped, tmp_path, caplog, monkeypatch):
+    """The launch resumes step 20 (in this process, with the launch replaced: a resume from any step trains on as
+    test_stop_and_resume_is_bit_identical shows from step 30)."""
     run_dir = _copy(stopped, tmp_path)
     victim = next((run_dir / "checkpoints" / "step-00000030" / "slot-1").glob("*.distcp"))
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x01
     victim.write_bytes(bytes(data))
-    proc = _run(run_dir, "--resume", "latest")
-    assert "skipping checkpoint step 30" in proc.stderr and "does not match its SHA-256" in proc.stderr
-    assert "falling back to the previous one" in proc.stderr
-    assert "step-00000020" in proc.stdout
-    assert summarize(run_dir).distinct_hashes[6] == summarize(baseline).distinct_hashes[6]  # from 20 to the same end
+    code, launched = _in_process(run_dir, "--resume", "latest", monkeypatch=monkeypatch)
+    assert code == 0 and launched[0]["resume"].step == 20
+    assert sorted(launched[0]["resume"].parts) == ["slot-0", "slot-1"]
+    said = caplog.text
+    assert "skipping checkpoint step 30" in said and "does not match its SHA-256" in said, said
+    assert "falling back to the previous one" in said
 
 
 def _as_from_a_terminal() -> None:
