@@ -33,10 +33,12 @@ ELASTIC_FAST = (f"diloco.num_inner_steps={ELASTIC_H}", "train.log_every=20", "me
                 "train.batch_size=2")
 # Runs as short as each test with one process a node allows (the schedule shrunk to fit): a node lost at outer step 2
 # needs a few outer steps after it (SHORT), a frozen node or a restarted coordinator also the rejoin (MEDIUM), a node
-# started mid-run time to start and be admitted, a few seconds on a busy machine (LONG: about 10 s of training).
+# started mid-run time to start and be admitted, a few seconds on a busy machine (LONG: one started after outer step 3
+# was admitted at outer step 4, half a second later; the 16 outer steps after leave it about 8 s. 150 steps until
+# 2026-12-07: 5 s more of each such test).
 SHORT_RUN = ("schedule.num_warmup_steps=10", "schedule.num_decay_steps=20", "train.num_steps=50")
 MEDIUM_RUN = ("schedule.num_warmup_steps=10", "schedule.num_decay_steps=40", "train.num_steps=80")
-LONG_RUN = ("schedule.num_warmup_steps=20", "schedule.num_decay_steps=60", "train.num_steps=150")
+LONG_RUN = ("schedule.num_warmup_steps=20", "schedule.num_decay_steps=60", "train.num_steps=100")
 
 
 def run_records(run_dir: pathlib.Path) -> Records:
