@@ -417,6 +417,17 @@ class Node:
         destroy_local_mesh()
 
 
+def save_if_due(n: Node, guard: NonFiniteSteps, step: int, *, stopping: bool) -> None:
+    """After an outer step: save the node's checkpoint if one is due (every checkpoint.interval_steps, at the end, or
+    `stopping`), unless its latest inner step had no finite gradient (it says so instead)."""
+    if not n.checkpoint_due(stopping):
+        return
+    if guard.healthy:
+        n.save()
+    else:
+        n.say(f"[node {n.node}] no checkpoint at step {step}: its latest inner step had no finite gradient")
+
+
 def run_node(cfg: RunConfig, *, node: int, coordinator: str, run_dir: pathlib.Path, num_threads: int = 1,
              resume: Checkpoint | None = None, local_rank: int = 0,
              local_rendezvous: Rendezvous | None = None, first_device: int = 0, slot: int = -1) -> NodeSummary:
@@ -444,8 +455,7 @@ def run_node(cfg: RunConfig, *, node: int, coordinator: str, run_dir: pathlib.Pa
         guard = NonFiniteSteps(num_to_stop=cfg.num_nonfinite_steps_to_stop, lr=cfg.optim.lr, say=n.say,
                                node=node)
         if stop_at and counters.num_outer_steps_done >= stop_at:  # caught up in the stop's outer step
-            if n.checkpoint_due(True):
-                n.save()
+            save_if_due(n, guard, counters.num_inner_steps_done, stopping=True)
             n.say(f"[node {node}] stopping after outer step {stop_at} (train.stop_after_outer_steps), where it "
                   f"caught up; continue with --resume latest")
         while (step := counters.num_inner_steps_done + 1) <= cfg.train.num_steps and not (
@@ -475,12 +485,7 @@ def run_node(cfg: RunConfig, *, node: int, coordinator: str, run_dir: pathlib.Pa
                 guard.stop_if_diverged(step)
                 if result is not None:
                     stopping = bool(stop_at) and counters.num_outer_steps_done >= stop_at
-                    if n.checkpoint_due(stopping):
-                        if guard.healthy:
-                            n.save()
-                        else:
-                            n.say(f"[node {node}] no checkpoint at step {step}: its latest inner step had no finite "
-                                  f"gradient")
+                    save_if_due(n, guard, step, stopping=stopping)
                     if stopping:
                         n.say(f"[node {node}] stopping after outer step {stop_at} (train.stop_after_outer_steps); "
                               f"continue with --resume latest")
