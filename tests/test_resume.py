@@ -599,9 +599,9 @@ def test_a_launch_whose_nodes_are_refused_exits_2_without_a_command_that_would_f
     """A run ends on a standalone coordinator; a second launch joins it without a checkpoint: the coordinator refuses
     its node (no node holding the run's state is left). The launch says the error names the change to make, exits 2
     (1: a failure that the same command may get past), and prints no `--resume latest` command of its own."""
-    short = ("--nodes", "1", "--set", "train.num_steps=30", "--set", "checkpoint.interval_steps=30",
-             "--set", "diloco.num_inner_steps=30", "--set", "train.seq_len=32", "--set", "train.num_threads=1",
-             "--set", "schedule.num_warmup_steps=10", "--set", "schedule.num_decay_steps=20")
+    short = ("--nodes", "1", "--set", "train.num_steps=10", "--set", "checkpoint.interval_steps=10",
+             "--set", "diloco.num_inner_steps=10", "--set", "train.seq_len=32", "--set", "train.num_threads=1",
+             "--set", "schedule.num_warmup_steps=2", "--set", "schedule.num_decay_steps=4")
     with _coordinator(1) as address:
         _openprime("run", str(ROOT / "recipes" / "debug.py"), "--join", address, "--run-dir", str(tmp_path / "a"),
                    *short)
