@@ -192,3 +192,19 @@ def test_the_hashes_of_an_abandoned_timeline_go_with_it():
     assert summary.hashes == {1: {0: "a1", 1: "a1", 2: "a1"}, 2: {0: "b2", 1: "b2"}}
     assert summary.hashes_agree and summary.num_outer_steps == 2
     assert summary.bytes_sent == {0: 4, 1: 4, 2: 3}  # what was sent was sent, in either timeline
+
+
+def test_a_node_that_joined_mid_run_and_was_resumed_keeps_the_summary_whole():
+    # Node 1 joined at outer step 2 (no hash of outer step 1); both were resumed from step 2 (H = 2). Its restart
+    # looked up its hash of outer step 1 (KeyError: the summary, status and the launch's end failed).
+    def step(node, k):
+        return {"kind": "step", "node": node, "step": k, "loss": 1.0}
+
+    def outer(node, o, state_hash):
+        return {"kind": "outer", "node": node, "outer_step": o, "step": 2 * o, "state_hash": state_hash,
+                "bytes_sent": 1}
+
+    first = [step(0, 1), step(0, 2), outer(0, 1, "a1"), step(0, 3), step(1, 3), step(0, 4), step(1, 4),
+             outer(0, 2, "a2"), outer(1, 2, "a2")]
+    resumed = [step(1, 3), step(0, 3), step(1, 4), step(0, 4), outer(0, 2, "b2"), outer(1, 2, "b2")]
+    assert summarize_records(first + resumed).hashes == {1: {0: "a1"}, 2: {0: "b2", 1: "b2"}}

@@ -295,7 +295,7 @@ def summarize_records(records: list[dict[str, Any]]) -> RunSummary:
                     step_skipped[r["node"]].pop(later, None)
                 restarts.append((i, k))
                 for outer_step, by_node in hashes.items():
-                    if hash_at[(outer_step, r["node"])] >= k:
+                    if r["node"] in by_node and hash_at[(outer_step, r["node"])] >= k:
                         by_node.pop(r["node"], None)
             mine[k] = r["loss"]
             step_skipped[r["node"]][k] = bool(r.get("skipped"))
