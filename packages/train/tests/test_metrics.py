@@ -208,3 +208,27 @@ def test_a_node_that_joined_mid_run_and_was_resumed_keeps_the_summary_whole():
              outer(0, 2, "a2"), outer(1, 2, "a2")]
     resumed = [step(1, 3), step(0, 3), step(1, 4), step(0, 4), outer(0, 2, "b2"), outer(1, 2, "b2")]
     assert summarize_records(first + resumed).hashes == {1: {0: "a1"}, 2: {0: "b2", 1: "b2"}}
+
+
+def test_a_node_left_out_of_a_resume_brings_no_old_hash_back_when_it_joins_later():
+    # Nodes 0-2 trained outer steps 1-4 (H = 2); 0 and 1 were resumed from step 2; node 2 joined that launch at outer
+    # step 3 (elastic). Its old hashes of outer steps 2-4 stayed beside the new timeline's (found by review).
+    def step(node, k):
+        return {"kind": "step", "node": node, "step": k, "loss": 1.0}
+
+    def outer(node, o, state_hash):
+        return {"kind": "outer", "node": node, "outer_step": o, "step": 2 * o, "state_hash": state_hash,
+                "bytes_sent": 1}
+
+    def train(nodes, outer_steps, tag):  # in the order nodes write: every node's steps before the outer step's end
+        return [r for o in outer_steps
+                for r in [*(step(n, 2 * o - 1) for n in nodes), *(step(n, 2 * o) for n in nodes),
+                          *(outer(n, o, f"{tag}{o}") for n in nodes)]]
+
+    first = train(range(3), range(1, 5), "a")
+    # The resumed launch's node 1 started late: node 0 had finished outer step 2 before node 1's first step record.
+    resumed = [step(0, 3), step(0, 4), outer(0, 2, "b2"), {"kind": "start", "node": 1}, step(1, 3), step(1, 4),
+               outer(1, 2, "b2"), *train((0, 1), [3], "b"), *train(range(3), [4], "b")]
+    summary = summarize_records(first + resumed)
+    assert summary.hashes == {1: {0: "a1", 1: "a1", 2: "a1"}, 2: {0: "b2", 1: "b2"}, 3: {0: "b3", 1: "b3"},
+                              4: {0: "b4", 1: "b4", 2: "b4"}}

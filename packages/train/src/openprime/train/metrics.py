@@ -270,21 +270,25 @@ def summarize_records(records: list[dict[str, Any]]) -> RunSummary:
     """The run's summary from its records. A node's step record at or below a step it already recorded starts a
     new timeline (a resume from a checkpoint): its earlier records from that step on are dropped, so a step trained
     again counts once (a 200-step run read "over 206 steps") and a resumed launch that stops earlier than the
-    abandoned one got ends on its own last loss. Its global-state hashes from that step on go with it, and those of
-    the nodes that wrote nothing after it (not in the resumed launch): left beside the new timeline's, they were a
-    disagreement that never happened, and status named an outer step the resumed launch had not reached."""
+    abandoned one got ends on its own last loss. The first such restart of a resume also drops every node's
+    global-state hashes from that step on (the resumed launch's other nodes restart at the same step without
+    writing in between, and drop nothing more): left beside the new timeline's, the hashes of nodes the resumed
+    launch left out, or that came back only later, were a disagreement that never happened, and status named an
+    outer step the resumed launch had not reached."""
     step_losses: dict[int, dict[int, float]] = defaultdict(dict)
     step_skipped: dict[int, dict[int, bool]] = defaultdict(dict)
     hashes: dict[int, dict[int, str]] = defaultdict(dict)
     sent: dict[int, int] = defaultdict(int)
-    hash_at: dict[tuple[int, int], int] = {}  # (outer step, node) -> the inner step of its hash record
-    restarts: list[tuple[int, int]] = []  # (record index, step) of each node's new timeline
-    last_record: dict[int, int] = {}  # node -> the index of its last record
+    hash_at: dict[int, int] = {}  # outer step -> the inner step its records followed
+    resume: tuple[int, int] | None = None  # (record index, step) of the first restart of the latest resume
+    last_record: dict[int, int] = {}  # node -> the index of its latest step or outer record
     nodes = set()
     last_checkpoint_step = None
     for i, r in enumerate(records):
         nodes.add(r["node"])
-        last_record[r["node"]] = i
+        before = last_record.get(r["node"], -1)
+        if r["kind"] in ("step", "outer"):  # what a node writes as it trains (a resumed one writes "start" first)
+            last_record[r["node"]] = i
         if r["kind"] == "checkpoint":
             last_checkpoint_step = max(r["step"], last_checkpoint_step or 0)
         if r["kind"] == "step":
@@ -293,22 +297,20 @@ def summarize_records(records: list[dict[str, Any]]) -> RunSummary:
                 for later in [s for s in mine if s >= k]:
                     del mine[later]
                     step_skipped[r["node"]].pop(later, None)
-                restarts.append((i, k))
-                for outer_step, by_node in hashes.items():
-                    if r["node"] in by_node and hash_at[(outer_step, r["node"])] >= k:
-                        by_node.pop(r["node"], None)
+                # Another node of the same resume: the same step, and nothing written since that resume began.
+                if resume is None or resume[1] != k or before > resume[0]:
+                    resume = (i, k)
+                    for outer_step in [o for o, at in hash_at.items() if at >= k]:
+                        del hash_at[outer_step]
+                        hashes.pop(outer_step, None)
             mine[k] = r["loss"]
             step_skipped[r["node"]][k] = bool(r.get("skipped"))
         elif r["kind"] == "outer":
             sent[r["node"]] += r["bytes_sent"]  # a skipped outer step's failed tries sent bytes too, as nodes count
             if not r.get("skipped"):
                 hashes[r["outer_step"]][r["node"]] = r["state_hash"]
-                hash_at[(r["outer_step"], r["node"])] = r.get("step", -1)  # -1: not said, kept
-    for outer_step, by_node in hashes.items():  # a node gone before a restart had its hashes in the old timeline
-        for node in [n for n in by_node if any(hash_at[(outer_step, n)] >= k and last_record[n] < i
-                                               for i, k in restarts)]:
-            del by_node[node]
-    hashes = {outer_step: by_node for outer_step, by_node in hashes.items() if by_node}
+                if "step" in r:  # not in older files: such hashes are kept
+                    hash_at[r["outer_step"]] = r["step"]
     losses = {node: list(by_step.values()) for node, by_step in step_losses.items()}
     skipped = {node: sum(by_step.values()) for node, by_step in step_skipped.items()}
     return RunSummary(num_nodes=len(nodes), losses=losses, hashes=dict(hashes), bytes_sent=dict(sent),
