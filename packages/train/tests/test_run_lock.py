@@ -82,6 +82,39 @@ def test_a_launch_whose_lock_files_were_removed_as_it_opened_them_locks_them_mad
     assert run_dir.exists() == shared  # made again by the second, which wrote nothing: a launch of its own removes it
 
 
+@pytest.mark.parametrize("shared", [True, False], ids=["joined", "own"])
+def test_a_launch_whose_directory_went_away_between_its_two_opens_tries_again(tmp_path, monkeypatch, shared):
+    """The same race one step earlier (found by review): removed between opening the first lock file and the second,
+    the launch failed with FileNotFoundError ("cannot write the run directory") and kept the first file open."""
+    run_dir = tmp_path / "run"
+    first = RunDirLock(run_dir, shared=False)
+    real_open, calls = os.open, []
+
+    def open_after_the_first_ended(path, *args, **kwargs):
+        calls.append(path)
+        if len(calls) == 2:  # the second launch's second open
+            first.release()
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(run_lock.os, "open", open_after_the_first_ended)
+    second = RunDirLock(run_dir, shared=shared)
+    monkeypatch.undo()
+    held = os.fstat(second.fileno)
+    at = (run_dir / (JOINED_LOCK_NAME if shared else LOCK_NAME)).stat()
+    assert (held.st_dev, held.st_ino) == (at.st_dev, at.st_ino)
+    leaked = [target for fd in os.listdir("/proc/self/fd") if str(run_dir) in (target := _target(fd))
+              and target.endswith("(deleted)")]
+    assert not leaked, leaked
+    second.release()
+
+
+def _target(fd: str) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return ""
+
+
 def test_the_lock_goes_with_its_holder_when_it_is_killed(tmp_path):
     holder = _holding(tmp_path, shared=False)
     try:

@@ -69,8 +69,12 @@ class RunDirLock:
         self._fd = self._joined_fd = None
         self._held = False  # this lock's own: the record in the file, and the directory if it made it
         for _ in range(NUM_LOCK_TRIES):
-            if self._take(run_dir, new=new, beside=beside):
-                return
+            try:
+                if self._take(run_dir, new=new, beside=beside):
+                    return
+            except BaseException:
+                self.release()  # no descriptor left open on a refusal or an error
+                raise
             new = False  # the directory went away under the lock files it opened: make it again, if it must
         raise RunDirInUse(f"{run_dir} was removed {NUM_LOCK_TRIES} times while this launch took its lock: another "
                           f"program removes it; choose another --run-dir")
@@ -82,8 +86,12 @@ class RunDirLock:
         self.created_dir = new or not run_dir.exists()
         run_dir.mkdir(parents=True, exist_ok=not new)
         self.path = run_dir / LOCK_NAME
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        self._joined_fd = os.open(run_dir / JOINED_LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            self._joined_fd = os.open(run_dir / JOINED_LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:  # removed between the mkdir and an open
+            self.release()
+            return False
         if fcntl is None:
             return True
         try:
