@@ -44,6 +44,10 @@ def test_data_parallel_keeps_replicas_identical_and_sends_every_step(tmp_path):
     assert [r["tokens"] for r in steps if r["node"] == 0] == [i * 8 * 128 for i in range(1, 21)]
 
 
-def test_data_parallel_refuses_checkpoints(tmp_path):
-    proc = _run(tmp_path / "dp", "--set", "train.strategy=data_parallel")
-    assert proc.returncode != 0 and "set checkpoint.mode=off" in proc.stderr
+def test_data_parallel_refuses_checkpoints(tmp_path, capsys):
+    from openprime.train.cli import main  # in this process: a refusal at config time starts nothing
+
+    assert main(["run", str(ROOT / "recipes" / "debug.py"), "--run-dir", str(tmp_path / "dp"), "--nodes", "2",
+                 "--set", "train.strategy=data_parallel"]) == 2
+    assert "set checkpoint.mode=off" in capsys.readouterr().err
+    assert not (tmp_path / "dp").exists()
