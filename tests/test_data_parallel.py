@@ -28,7 +28,8 @@ def test_data_parallel_keeps_replicas_identical_and_sends_every_step(tmp_path):
     records = read_records(tmp_path / "dp")
     outer = [r for r in records if r["kind"] == "outer"]
     assert sorted(r["outer_step"] for r in outer) == sorted(list(range(1, 21)) * 2)  # every step, both nodes
-    # The coordinator compared the weights' hashes at every step; the agreed ones reach the records.
+    # Each record carries the hash of the weights its step made (the last step's too); the coordinator compared
+    # them at the next step's barrier.
     assert summarize(tmp_path / "dp").hashes_agree
     assert len({r["state_hash"] for r in outer if r["outer_step"] == 20}) == 1
     # A 2-node fp32 ring sends each parameter's 4 bytes once per step (plus frame headers).

@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import Sequence
 
+import attrs
 import torch
 import xxhash
 from torch.distributed.tensor import DTensor
@@ -50,6 +51,7 @@ class GradientAllReduce:
         self._buffers = RingBuffers()
         self.num_inner_steps_done = 0
         self._result: OuterStepResult | None = None
+        self._hash: str | None = None  # of the weights after the last step (the next sync reports it): one a step
 
     @property
     def num_outer_steps_done(self) -> int:
@@ -67,7 +69,9 @@ class GradientAllReduce:
         start, step, attempt = time.monotonic(), self.num_inner_steps_done, 0
         sent = received = 0
         while True:
-            rnd = self.membership.begin(step, attempt, state_hash=self.weights_hash(), hash_step=step - 1)
+            if self._hash is None:  # the first step of this process: the initial or restored weights
+                self._hash = self.weights_hash()
+            rnd = self.membership.begin(step, attempt, state_hash=self._hash, hash_step=step - 1)
             t = rnd.transport
             sent, received = sent + rnd.side_bytes_sent, received + rnd.side_bytes_received  # bandwidth probes
             sent0, received0 = t.bytes_sent, t.bytes_received
@@ -93,14 +97,17 @@ class GradientAllReduce:
         self._scatter_gradients()
         self._result = OuterStepResult(outer_step=step + 1, num_contributors=t.world_size, num_members=t.world_size,
                                        num_tries=attempt + 1, skipped=False, received_state=False, contributed=True,
-                                       state_hash=rnd.state_hash or "", bytes_sent=sent, bytes_received=received,
+                                       state_hash="", bytes_sent=sent, bytes_received=received,
                                        all_reduce_s=all_reduce_s, total_s=time.monotonic() - start)
 
     def step(self) -> OuterStepResult:
-        """After the optimizer step: count it and return what its all-reduce did."""
+        """After the optimizer step: count it and return what its all-reduce did, with the hash of the weights it
+        made (the record of outer step s carries the state after s, as DiLoCo's does; the hash the next sync's
+        barrier compares, so hashing stays once a step)."""
         assert self._result is not None, "GradientAllReduce.sync() runs between backward and the optimizer step"
         self.num_inner_steps_done += 1
-        result, self._result = self._result, None
+        self._hash = self.weights_hash()
+        result, self._result = attrs.evolve(self._result, state_hash=self._hash), None
         return result
 
     def _gather_gradients(self) -> None:
