@@ -209,6 +209,41 @@ def test_catching_up_over_several_outer_steps_counts_the_time_and_bytes_of_each(
     assert (r.total_s, r.all_reduce_s, r.bytes_sent, r.bytes_received) == (90.0, 6.0, 300, 1000)
 
 
+def test_a_rejoin_counts_the_failing_outer_step_and_the_registration_as_outer_time(monkeypatch):
+    """After an eviction, the outer step that failed (its timeouts, here 5 s before the catch-up) and the
+    registration again (0.2 s) are network time, like the outer step the node then takes part in (1 s): the record's
+    total_s holds all of them. It held that last outer step's second only, and the compute utilisation counted a
+    rejoin's timeouts as training."""
+    import time
+
+    from openprime.diloco import OuterStepResult
+
+    def join_mesh(cfg, coordinator, *, slot=-1, local_rank=0, local_mesh=None):
+        time.sleep(0.2)
+        return types.SimpleNamespace(node_id="node-1", local_rank=local_rank, slot=slot, close=lambda: None)
+
+    class Rejoining:
+        has_state, behind = True, False
+
+        def rejoin(self, mesh):
+            pass
+
+        def sync(self, *, contribute):
+            return OuterStepResult(outer_step=4, num_contributors=2, num_members=2, num_tries=1, skipped=False,
+                                   received_state=True, contributed=False, state_hash="h", bytes_sent=0,
+                                   bytes_received=10, all_reduce_s=0.5, total_s=1.0)
+
+    monkeypatch.setattr(trainer, "join_mesh", join_mesh)
+    cfg = types.SimpleNamespace(mesh=types.SimpleNamespace(num_join_tries=1))
+    mesh = types.SimpleNamespace(node_id="node-1", local_rank=0, slot=1, close=lambda: None)
+    before = time.monotonic()
+    _, r = trainer.catch_up(cfg, "", Rejoining(), mesh, rejoin=True, local_mesh=None, started=before - 5.0)
+    assert 5.2 <= r.total_s <= time.monotonic() - before + 5.0
+    assert r.all_reduce_s == 0.5
+    _, r = trainer.catch_up(cfg, "", Rejoining(), mesh, rejoin=True, local_mesh=None)  # a joiner: from its call
+    assert 1.0 <= r.total_s < 2.0
+
+
 def _mesh(slot, *, local_rank=0, inherited=None, reported=None):
     """A stand-in ElasticDeviceMesh: its data slot, what the join handed over of it, where its reports go."""
     return types.SimpleNamespace(slot=slot, local_rank=local_rank, close=lambda: None, inherited_slot_state=inherited,

@@ -110,7 +110,8 @@ def build_model(cfg: RunConfig, local_mesh: DeviceMesh | None, device: torch.dev
 
 
 def catch_up(cfg: RunConfig, coordinator: str, diloco: DiLoCo, mesh: ElasticDeviceMesh, *, rejoin: bool,
-             local_mesh: DeviceMesh | None, contribute: bool = False) -> tuple[ElasticDeviceMesh, OuterStepResult]:
+             local_mesh: DeviceMesh | None, contribute: bool = False,
+             started: float | None = None) -> tuple[ElasticDeviceMesh, OuterStepResult]:
     """Wait for the next outer step as a newcomer and take the global state from a live peer.
 
     After an eviction (`rejoin`) the node first registers again as a new node. A newcomer evicted while
@@ -122,7 +123,13 @@ def catch_up(cfg: RunConfig, coordinator: str, diloco: DiLoCo, mesh: ElasticDevi
     it takes part in. It counts only where the coordinator lists the node as holding the run's state (every member
     was evicted at once, the coordinator's own link down): a node listed as new contributes zero whatever it offers
     (DiLoCo._try). Before 2026-12-07 every node offered zero there, and that outer step's inner training was lost.
+
+    `started`: when the outer step that ended in the eviction began (time.monotonic()). The result's `total_s` is
+    the whole wait from there: the failing outer step, the registration again, every outer step taken part in and
+    the state's transfer. Only the outer steps' own seconds were counted, and a rejoin's minutes of timeouts read as
+    training in the compute utilisation.
     """
+    start = time.monotonic() if started is None else started
     for attempt in range(cfg.mesh.num_join_tries):
         if rejoin or attempt:
             slot = mesh.slot  # asked for again: its data position goes on there (a rejoin without one read from 0)
@@ -144,7 +151,7 @@ def catch_up(cfg: RunConfig, coordinator: str, diloco: DiLoCo, mesh: ElasticDevi
             # compute utilisation, which then read 0.7 where it was 0.1).
             return mesh, attrs.evolve(results[-1], bytes_sent=sum(r.bytes_sent for r in results),
                                       bytes_received=sum(r.bytes_received for r in results),
-                                      total_s=sum(r.total_s for r in results),
+                                      total_s=max(time.monotonic() - start, sum(r.total_s for r in results)),
                                       all_reduce_s=sum(r.all_reduce_s for r in results),
                                       received_state=any(r.received_state for r in results))
         except Evicted as e:
@@ -311,11 +318,11 @@ class Node:
         """This process's checkpoint part: its node's data slot (and its local rank, when sharded)."""
         return part_name(self.mesh.slot, self.local_rank, self.cfg.fsdp.num_local_ranks)
 
-    def catch_up(self, *, rejoin: bool, contribute: bool = False) -> OuterStepResult:
+    def catch_up(self, *, rejoin: bool, contribute: bool = False, started: float | None = None) -> OuterStepResult:
         """Take the run's state from a live peer at the next outer step (as a new node after an eviction)."""
         slot = self.mesh.slot
         self.mesh, result = catch_up(self.cfg, self.coordinator, self.diloco, self.mesh, rejoin=rejoin,
-                                     local_mesh=self.local_mesh, contribute=contribute)
+                                     local_mesh=self.local_mesh, contribute=contribute, started=started)
         follow_schedule(self.sched, self.diloco.num_inner_steps_done)
         if self.batches is None or self.mesh.slot != slot:
             # Back on its own slot (evicted and rejoined), a node goes on with its data where it was: until
@@ -463,17 +470,19 @@ def run_node(cfg: RunConfig, *, node: int, coordinator: str, run_dir: pathlib.Pa
             step_start = time.monotonic()
             inputs_BL, targets_BL = (t.to(n.device, non_blocking=True) for t in next(n.batches))
             lr = n.sched.get_last_lr()[0]
+            outer_start = None
             try:
                 ce, grad_norm = train_step(n.model, n.opt, n.sched, inputs_BL, targets_BL, cfg,
                                            local_rank=local_rank, sync_gradients=n.dp.sync if n.dp else None)
                 loss = local_all_reduce_mean(ce, n.local_mesh)  # the node's loss: all its ranks' batches
                 skipped = guard.update(step, grad_norm, loss)
+                outer_start = time.monotonic()  # an outer step from here on, if one is due
                 result = n.diloco.step(contribute=guard.healthy) if n.diloco else n.dp.step()
             except Evicted as e:  # frozen or cut off: come back as a new node with the others' state
                 if n.diloco is None:
                     raise OpenPrimeError(f"{e}; a data-parallel node cannot rejoin (use train.strategy=diloco)") from e
                 n.say(f"[node {node}] {e}")
-                result = n.catch_up(rejoin=True, contribute=guard.healthy)
+                result = n.catch_up(rejoin=True, contribute=guard.healthy, started=outer_start)
                 n.write("rejoined", node_id=n.mesh.node_id, slot=n.mesh.slot, step=counters.num_inner_steps_done)
             with stop_deferred():  # a stop once the outer step is done waits for its checkpoint's snapshot
                 if result is not None and result.received_state:  # the run was further on than this node's state
