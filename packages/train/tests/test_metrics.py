@@ -175,19 +175,22 @@ def test_a_resumed_launch_that_stops_earlier_than_the_abandoned_one_ends_on_its_
     assert summarize_records(first + resumed).losses[0] == [*map(float, range(1, 11)), 111.0, 112.0]
 
 
+def _step(node, k):
+    return {"kind": "step", "node": node, "step": k, "loss": 1.0}
+
+
+def _outer(node, o, state_hash):
+    """Outer step `o` of a run with H = 2."""
+    return {"kind": "outer", "node": node, "outer_step": o, "step": 2 * o, "state_hash": state_hash, "bytes_sent": 1}
+
+
 def test_the_hashes_of_an_abandoned_timeline_go_with_it():
     # Nodes 0-2 trained outer steps 1-3 (H = 2) and node 2 died; 0 and 1 were resumed from step 2 and trained outer
     # steps 2-3 again, on other weights. Node 2's hashes of the abandoned outer steps 2 and 3 stayed beside theirs: the
     # replicas "disagreed" at steps that had agreed, and a resume that stopped at outer step 2 showed outer step 3.
-    def step(node, k):
-        return {"kind": "step", "node": node, "step": k, "loss": 1.0}
-
-    def outer(node, o, state_hash):
-        return {"kind": "outer", "node": node, "outer_step": o, "step": 2 * o, "state_hash": state_hash,
-                "bytes_sent": 1}
-
-    first = [r for o in (1, 2, 3) for n in range(3) for r in (step(n, 2 * o - 1), step(n, 2 * o), outer(n, o, f"a{o}"))]
-    resumed = [step(0, 3), step(1, 3), step(0, 4), step(1, 4), outer(1, 2, "b2"), outer(0, 2, "b2")]
+    first = [r for o in (1, 2, 3) for n in range(3)
+             for r in (_step(n, 2 * o - 1), _step(n, 2 * o), _outer(n, o, f"a{o}"))]
+    resumed = [_step(0, 3), _step(1, 3), _step(0, 4), _step(1, 4), _outer(1, 2, "b2"), _outer(0, 2, "b2")]
     summary = summarize_records(first + resumed)
     assert summary.hashes == {1: {0: "a1", 1: "a1", 2: "a1"}, 2: {0: "b2", 1: "b2"}}
     assert summary.hashes_agree and summary.num_outer_steps == 2
@@ -197,38 +200,24 @@ def test_the_hashes_of_an_abandoned_timeline_go_with_it():
 def test_a_node_that_joined_mid_run_and_was_resumed_keeps_the_summary_whole():
     # Node 1 joined at outer step 2 (no hash of outer step 1); both were resumed from step 2 (H = 2). Its restart
     # looked up its hash of outer step 1 (KeyError: the summary, status and the launch's end failed).
-    def step(node, k):
-        return {"kind": "step", "node": node, "step": k, "loss": 1.0}
-
-    def outer(node, o, state_hash):
-        return {"kind": "outer", "node": node, "outer_step": o, "step": 2 * o, "state_hash": state_hash,
-                "bytes_sent": 1}
-
-    first = [step(0, 1), step(0, 2), outer(0, 1, "a1"), step(0, 3), step(1, 3), step(0, 4), step(1, 4),
-             outer(0, 2, "a2"), outer(1, 2, "a2")]
-    resumed = [step(1, 3), step(0, 3), step(1, 4), step(0, 4), outer(0, 2, "b2"), outer(1, 2, "b2")]
+    first = [_step(0, 1), _step(0, 2), _outer(0, 1, "a1"), _step(0, 3), _step(1, 3), _step(0, 4), _step(1, 4),
+             _outer(0, 2, "a2"), _outer(1, 2, "a2")]
+    resumed = [_step(1, 3), _step(0, 3), _step(1, 4), _step(0, 4), _outer(0, 2, "b2"), _outer(1, 2, "b2")]
     assert summarize_records(first + resumed).hashes == {1: {0: "a1"}, 2: {0: "b2", 1: "b2"}}
 
 
 def test_a_node_left_out_of_a_resume_brings_no_old_hash_back_when_it_joins_later():
     # Nodes 0-2 trained outer steps 1-4 (H = 2); 0 and 1 were resumed from step 2; node 2 joined that launch at outer
     # step 3 (elastic). Its old hashes of outer steps 2-4 stayed beside the new timeline's (found by review).
-    def step(node, k):
-        return {"kind": "step", "node": node, "step": k, "loss": 1.0}
-
-    def outer(node, o, state_hash):
-        return {"kind": "outer", "node": node, "outer_step": o, "step": 2 * o, "state_hash": state_hash,
-                "bytes_sent": 1}
-
     def train(nodes, outer_steps, tag):  # in the order nodes write: every node's steps before the outer step's end
         return [r for o in outer_steps
-                for r in [*(step(n, 2 * o - 1) for n in nodes), *(step(n, 2 * o) for n in nodes),
-                          *(outer(n, o, f"{tag}{o}") for n in nodes)]]
+                for r in [*(_step(n, 2 * o - 1) for n in nodes), *(_step(n, 2 * o) for n in nodes),
+                          *(_outer(n, o, f"{tag}{o}") for n in nodes)]]
 
     first = train(range(3), range(1, 5), "a")
     # The resumed launch's node 1 started late: node 0 had finished outer step 2 before node 1's first step record.
-    resumed = [step(0, 3), step(0, 4), outer(0, 2, "b2"), {"kind": "start", "node": 1}, step(1, 3), step(1, 4),
-               outer(1, 2, "b2"), *train((0, 1), [3], "b"), *train(range(3), [4], "b")]
+    resumed = [_step(0, 3), _step(0, 4), _outer(0, 2, "b2"), {"kind": "start", "node": 1}, _step(1, 3), _step(1, 4),
+               _outer(1, 2, "b2"), *train((0, 1), [3], "b"), *train(range(3), [4], "b")]
     summary = summarize_records(first + resumed)
     assert summary.hashes == {1: {0: "a1", 1: "a1", 2: "a1"}, 2: {0: "b2", 1: "b2"}, 3: {0: "b3", 1: "b3"},
                               4: {0: "b4", 1: "b4", 2: "b4"}}

@@ -73,9 +73,7 @@ def test_a_launch_whose_lock_files_were_removed_as_it_opened_them_locks_them_mad
     monkeypatch.setattr(run_lock.fcntl, "flock", flock_after_the_first_ended)
     second = RunDirLock(run_dir, shared=shared)
     monkeypatch.undo()
-    held = os.fstat(second.fileno)
-    at = (run_dir / (JOINED_LOCK_NAME if shared else LOCK_NAME)).stat()
-    assert (held.st_dev, held.st_ino) == (at.st_dev, at.st_ino)
+    _holds_the_files_at_its_paths(second, run_dir, shared=shared)
     with pytest.raises(ConfigError, match="in use by another openprime launch"):
         RunDirLock(run_dir, shared=not shared)  # a third launch sees it
     second.release()
@@ -99,13 +97,18 @@ def test_a_launch_whose_directory_went_away_between_its_two_opens_tries_again(tm
     monkeypatch.setattr(run_lock.os, "open", open_after_the_first_ended)
     second = RunDirLock(run_dir, shared=shared)
     monkeypatch.undo()
-    held = os.fstat(second.fileno)
-    at = (run_dir / (JOINED_LOCK_NAME if shared else LOCK_NAME)).stat()
-    assert (held.st_dev, held.st_ino) == (at.st_dev, at.st_ino)
+    _holds_the_files_at_its_paths(second, run_dir, shared=shared)
     leaked = [target for fd in os.listdir("/proc/self/fd") if str(run_dir) in (target := _target(fd))
               and target.endswith("(deleted)")]
     assert not leaked, leaked
     second.release()
+
+
+def _holds_the_files_at_its_paths(lock: RunDirLock, run_dir: pathlib.Path, *, shared: bool) -> None:
+    """The lock holds the file now at its path (device and inode), not one removed since it opened it."""
+    held = os.fstat(lock.fileno)
+    at = (run_dir / (JOINED_LOCK_NAME if shared else LOCK_NAME)).stat()
+    assert (held.st_dev, held.st_ino) == (at.st_dev, at.st_ino)
 
 
 def _target(fd: str) -> str:
