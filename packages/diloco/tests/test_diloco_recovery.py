@@ -10,10 +10,12 @@ from __future__ import annotations
 import threading
 import time
 
+import attrs
 import pytest
 import torch
 
 from openprime.core import digest
+from openprime.core.errors import PeerFailure
 from openprime.core.membership import Membership, Round
 from openprime.core.state_transfer import TAG_STATE
 from openprime.core.testing import ForwardingTransport, local_group, run_threads
@@ -290,3 +292,121 @@ def test_a_non_blocking_joiner_whose_receive_failed_closes_its_group():
     assert not dilocos[2].has_state and CountsAbandons.abandoned == [2]
     stalls.released.set()
     dilocos[0].recovery.finish_background()
+
+
+class _Outage(Exception):
+    """The coordinator evicted every member at once (its own link down): each node registers again."""
+
+
+class EvictsEveryoneAtTheRetry(Admits):
+    """Try 0 admits the joiner (it receives the state) and fails; every member is evicted at try 1."""
+
+    def begin(self, step, attempt, *, state_hash, hash_step) -> Round:
+        if attempt:
+            raise _Outage
+        return super().begin(step, attempt, state_hash=state_hash, hash_step=hash_step)
+
+    def commit(self, step, attempt, ok) -> bool:
+        return False  # another member's part of try 0 failed
+
+
+class NobodyNew(Admits):
+    """After the outage: every member holds the run's state, so none is listed as new."""
+
+    def begin(self, step, attempt, *, state_hash, hash_step) -> Round:
+        self.barrier.wait(timeout=10)
+        return Round(transport=self.transport, step=step, attempt=attempt)
+
+
+def test_a_node_that_received_the_state_before_every_member_was_evicted_is_not_counted_when_they_rejoin():
+    """Replica 2 receives the state in try 0 of outer step 2, which fails; every member is then evicted at once and
+    rejoins (the trainer's catch_up: rejoin, then sync with contribute=True, as the node had trained). Replica 2 has
+    not trained since it took the state: its pseudo-gradient is zero, and counted it divided the others' sum by 3,
+    not 2 (found by review, 2026-12-07; a failed try without the eviction was already handled)."""
+    Admits.stateless, Admits.step = {}, 2
+    config = DiLoCoConfig(num_inner_steps=5, recovery=RecoveryMode.BLOCKING, outer_lr=1.0, outer_momentum=0.0,
+                          outer_optimizer=OuterOptimizer.SGD)
+    before, after, barrier = local_group(3), local_group(3), threading.Barrier(3)
+    params = [torch.nn.Parameter(torch.zeros(64)) for _ in range(3)]
+    dilocos = [DiLoCo([params[r]], config=config, timeouts=Timeouts(op_s=10.0),
+                      membership=EvictsEveryoneAtTheRetry(t, barrier), joining=r == 2) for r, t in enumerate(before)]
+    for d in dilocos[:2]:
+        d.num_outer_steps_done, d.num_inner_steps_done = 2, 15
+    with torch.no_grad():  # what the two members' inner steps did (a pseudo-gradient is theta minus the weights)
+        params[0].sub_(1.0)
+        params[1].sub_(3.0)
+
+    def node(r):
+        with pytest.raises(_Outage):
+            dilocos[r].sync(contribute=r < 2)
+        dilocos[r].rejoin(NobodyNew(after[r], barrier))
+        return dilocos[r].sync(contribute=True)
+
+    results = run_threads([lambda r=r: node(r) for r in range(3)])
+    assert [r.num_contributors for r in results] == [2, 2, 2]
+    assert [r.contributed for r in results] == [True, True, False]
+    # SGD at lr 1 moves theta to the mean of the trained weights, -1 and -3 (counting replica 2: -4 / 3).
+    assert all(torch.equal(d.state.theta, torch.full((64,), -2.0)) for d in dilocos)
+    assert len({r.state_hash for r in results}) == 1
+
+
+class BreaksThenCorrupts(ForwardingTransport):
+    """The donor's link: its send of the state breaks after two chunks (`break_after`) or flips the checksum of its
+    first chunk (`corrupt`)."""
+
+    def __init__(self, inner, *, break_after: int | None = None, corrupt: bool = False) -> None:
+        super().__init__(inner)
+        self.break_after, self.corrupt, self.num_sent = break_after, corrupt, 0
+
+    def isend(self, peer, tag, buffers, *, deadline):
+        if tag == TAG_STATE:
+            self.num_sent += 1
+            if self.break_after is not None and self.num_sent > self.break_after:
+                raise PeerFailure((peer,), "the link to the joiner broke")
+            if self.corrupt and self.num_sent == 1:
+                header = buffers[0].clone()
+                header[1] += 1
+                buffers = [header, *buffers[1:]]
+        return super().isend(peer, tag, buffers, deadline=deadline)
+
+
+class GroupPerStep(Admits):
+    """A group of its own each outer step (`Admits.groups[step][rank]`); counts the ranks that abandon one."""
+
+    def begin(self, step, attempt, *, state_hash, hash_step) -> Round:
+        rnd = super().begin(step, attempt, state_hash=state_hash, hash_step=hash_step)
+        self.transport = Admits.groups[rnd.step][self.transport.rank]
+        return attrs.evolve(rnd, transport=self.transport)
+
+    def abandon(self) -> None:
+        GroupPerStep.abandoned.append((self.transport.rank, Admits.step))
+        self.transport.close()
+
+
+def test_a_non_blocking_joiner_whose_finishing_fetch_came_incomplete_waits_for_no_send_that_never_comes():
+    """A non-blocking joiner holds part of the state (the donor's background send broke after two chunks) and asks
+    for the rest in the next try; one chunk arrives corrupt. It had asked for nothing later, so the donor sends
+    nothing after the commit, yet the joiner waited for a send there to its deadline (2(n - 1) x op_s) and then
+    closed the group, which the next outer step's first try of every member would have used (found by review,
+    2026-12-07). It now goes on at once and finishes at the next barrier."""
+    Admits.stateless, GroupPerStep.abandoned = {}, []
+    Admits.groups = {step: local_group(2) for step in (2, 3, 4)}
+    Admits.groups[2][0] = BreaksThenCorrupts(Admits.groups[2][0], break_after=2)
+    Admits.groups[3][0] = BreaksThenCorrupts(Admits.groups[3][0], corrupt=True)
+    config = DiLoCoConfig(num_inner_steps=5, recovery=RecoveryMode.NON_BLOCKING)
+    barrier = threading.Barrier(2)
+    theta0 = torch.randn(1 << 19, generator=torch.Generator().manual_seed(0))  # 2 MiB: 4 chunks of theta, momentum
+    params = [torch.nn.Parameter(theta0.clone()), torch.nn.Parameter(torch.zeros_like(theta0))]
+    dilocos = [DiLoCo([params[r]], config=config, timeouts=Timeouts(op_s=1.0),
+                      membership=GroupPerStep(Admits.groups[2][r], barrier), joining=r == 1) for r in range(2)]
+    dilocos[0].num_outer_steps_done, dilocos[0].num_inner_steps_done = 2, 10
+    for step in (2, 3, 4):
+        Admits.step, Admits.stateless = step, {}
+        start = time.monotonic()
+        run_threads([dilocos[0].sync, lambda: dilocos[1].sync(contribute=False)])
+        took = time.monotonic() - start
+        dilocos[0].num_inner_steps_done += 5
+        if step == 3:  # the corrupt chunk: no wait for a send after the commit, and the group kept
+            assert not dilocos[1].has_state and took < 1.0, took
+    assert GroupPerStep.abandoned == [(1, 2)]  # the broken background send's group only
+    assert dilocos[1].has_state and dilocos[1].state_hash == dilocos[0].state_hash

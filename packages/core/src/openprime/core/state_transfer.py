@@ -317,6 +317,7 @@ class StateFetch:
         self.num_chunks_fetched = 0  # over all donors, for tests and logs
         self.num_bytes_fetched = 0  # chunk bytes received, over all donors (a corrupt chunk's too)
         self.num_corrupt = 0  # chunks that failed their checksum, and whole states that failed the state hash
+        self.asked_later = False  # the last fetch's answer: nothing now, the whole state later (the donor sends it)
         self._layout: _Layout | None = None
         self._shared_digests: dict[int, np.ndarray] = {}  # by shared chunk: its pieces' digests, once checked
 
@@ -363,12 +364,14 @@ class StateFetch:
                                    f"{expected_hash} the members agreed on; refused")
             specs, layout = _read_offer(offer, donor)
         except StateCorrupt:
+            self.asked_later = False
             _send_packed(transport, donor, TAG_STATE_WANT, {"chunks": [], "later": False}, deadline)  # not left waiting
             raise
         self._adopt(offer, specs, layout)
         missing = [i for i in range(self._layout.num_chunks) if i not in self.received]
         now = missing if (not later or self.received) else []
-        _send_packed(transport, donor, TAG_STATE_WANT, {"chunks": now, "later": later and not now}, deadline)
+        self.asked_later = later and not now
+        _send_packed(transport, donor, TAG_STATE_WANT, {"chunks": now, "later": self.asked_later}, deadline)
         views = [as_bytes(t) for t in self.tensors.values()]
         headers = [torch.zeros(2, dtype=torch.int64) for _ in now]
         posted: collections.deque[Handle] = collections.deque()

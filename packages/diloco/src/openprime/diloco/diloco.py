@@ -92,7 +92,11 @@ class DiLoCo:
         # Reported at each barrier for the state after the previous outer step (-1: the initial weights),
         # so the coordinator compares replicas; a joiner has nothing to report until it got the state.
         self._last_hash: str | None = None if joining else self.state.state_hash()
-        self._received_state = False
+        self._received_state = False  # in this outer step (the result's received_state)
+        # Holds a donor's state and has not trained an inner step since: its pseudo-gradient is zero, not its own.
+        # Kept across syncs (a try that failed after the transfer, an eviction and the rejoin's next sync).
+        self._untrained_state = False
+        self._awaits_later_send = False  # a non-blocking joiner whose fetch of this try asked for the state later
         self._contributed = False
         self.recovery = Recovery(self.state, config.recovery, extra)
         self._ring_buffers = RingBuffers()  # kept across outer steps: no fresh receive buffers each time
@@ -161,6 +165,7 @@ class DiLoCo:
         inner steps produced no finite gradient: its weights are suspect even where they are finite).
         """
         self.num_inner_steps_done += 1
+        self._untrained_state = False  # an inner step trained since the state came: its pseudo-gradient is its own
         if self.num_inner_steps_done % self.config.num_inner_steps:
             return None
         return self.sync(contribute=contribute)
@@ -232,15 +237,16 @@ class DiLoCo:
         """State to the newcomers, then the all-reduce of this try; (succeeded, contributors, seconds)."""
         t = rnd.transport
         self._donate_later = []
-        self._contributed = False
+        self._contributed = self._awaits_later_send = False
         try:
             if rnd.new_ranks:
                 self._transfer_state(rnd)
-            # A node that received the state in this outer step (in an earlier try, which failed after its
-            # transfer) holds the others' weights, not a pseudo-gradient of its own: counted, it would divide
-            # the sum by one node too many.
+            # A node that received the state and has not trained since (in an earlier try of this outer step,
+            # which failed after its transfer; or before an eviction of every member, in the sync of its rejoin)
+            # holds the others' weights, not a pseudo-gradient of its own: counted, it would divide the sum by one
+            # node too many (the rejoin's case found 2026-12-07 by review).
             contributing = (contribute and self.has_state and t.rank not in rnd.new_ranks
-                            and not self._received_state)
+                            and not self._untrained_state)
             delta = self.state.compute_pseudo_gradient(self._delta_device)
             if contributing and not all_finite(delta):
                 log.warning("outer step %d: this replica's pseudo-gradient holds NaN or inf (its inner training "
@@ -277,6 +283,7 @@ class DiLoCo:
             before = rnd.new_ranks.index(t.rank)  # the donor serves the new ranks in order
             self._install(self.recovery.receive(t, rnd.donor_rank, deadline=self._after_transfers(rnd, before),
                                                 op_s=self.timeouts.op_s, later=later, expected_hash=rnd.state_hash))
+            self._awaits_later_send = self.recovery.fetch.asked_later
 
     def _after_commit(self, rnd: Round) -> None:
         """Non-blocking recovery: the donor sends the new state in the background; the joiner receives it."""
@@ -285,7 +292,11 @@ class DiLoCo:
             ranks, self._donate_later = self._donate_later, []
             self.recovery.donate_later(t, ranks, timeouts=self.timeouts, counters=self._counters(),
                                        state_hash=self._last_hash)
-        elif t.rank in rnd.new_ranks and not self.has_state and self.config.recovery is RecoveryMode.NON_BLOCKING:
+        elif t.rank in rnd.new_ranks and not self.has_state and self._awaits_later_send:
+            # Only a joiner that asked for the state later is sent it now. One that held part of the offer asked
+            # for the rest in the try; if that came incomplete (a corrupt chunk), no send follows: it waited for
+            # one to its deadline (2(n - 1) x op_s) and closed the group, which cost everyone the next outer step's
+            # first try (found 2026-12-07 by review). It finishes at the next barrier, listed as new again.
             try:
                 before = rnd.new_ranks.index(t.rank)  # the donor sends to the new ranks in order
                 self._install(self.recovery.receive(t, rnd.donor_rank, deadline=self._after_transfers(rnd, before),
@@ -304,7 +315,7 @@ class DiLoCo:
             return
         self.num_inner_steps_done = int(meta["num_inner_steps_done"])
         self.num_outer_steps_done = int(meta["num_outer_steps_done"])
-        self._received_state = True
+        self._received_state = self._untrained_state = True
         self._last_hash = meta["state_hash"]  # checked against the received bytes by Recovery.receive
 
     def _verify(self, t: Transport) -> str | None:
