@@ -173,15 +173,40 @@ def test_resume_latest_sets_aside_the_later_steps_of_a_node_that_saved_on_alone(
     assert newest_saved(root) == 30  # what status and export now take
 
 
+def _damage(part: pathlib.Path) -> None:
+    """Flip one bit in the middle of the part's tensor file, as a bad disk or a bad copy would."""
+    victim = next(part.glob("*.distcp"))
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+
+
+def test_a_damaged_newest_step_is_not_set_aside_as_another_timeline_nor_named_to_resume(stopped, tmp_path, capsys,
+                                                                                         monkeypatch):
+    """Every part of step 30 damaged on disk: `--resume latest` goes back to step 20 and leaves step 30 where it is
+    (the run saves it again). It was moved aside as another timeline's ("a node died"), with the advice to resume
+    from it, and `--nodes 3` named it as the step to resume (found 2026-12-07 by review)."""
+    run_dir = _copy(stopped, tmp_path)
+    root = run_dir / "checkpoints"
+    for part in ("slot-0", "slot-1"):
+        _damage(root / "step-00000030" / part)
+    code, launched = _in_process(run_dir, "--nodes", "3", "--resume", "latest", monkeypatch=monkeypatch)
+    assert code == 2 and not launched
+    err = capsys.readouterr().err
+    assert (f"the newest step holding a whole node, 20, holds 2. Resume it with --resume {root / 'step-00000020'}"
+            in err), err
+    code, launched = _in_process(run_dir, "--resume", "latest", monkeypatch=monkeypatch)
+    assert code == 0 and launched[0]["resume"].step == 20
+    assert "moved to" not in capsys.readouterr().out
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000020", "step-00000030"]
+
+
 @pytest.mark.slow
 def test_a_corrupt_checkpoint_falls_back_to_the_previous_one(stopped, tmp_path, caplog, monkeypatch):
     """The launch resumes step 20 (in this process, with the launch replaced: a resume from any step trains on as
     test_stop_and_resume_is_bit_identical shows from step 30)."""
     run_dir = _copy(stopped, tmp_path)
-    victim = next((run_dir / "checkpoints" / "step-00000030" / "slot-1").glob("*.distcp"))
-    data = bytearray(victim.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    victim.write_bytes(bytes(data))
+    _damage(run_dir / "checkpoints" / "step-00000030" / "slot-1")
     code, launched = _in_process(run_dir, "--resume", "latest", monkeypatch=monkeypatch)
     assert code == 0 and launched[0]["resume"].step == 20
     assert sorted(launched[0]["resume"].parts) == ["slot-0", "slot-1"]

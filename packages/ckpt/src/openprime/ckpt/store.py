@@ -15,8 +15,10 @@ disk, so a crash mid-save leaves a temporary directory (cleaned up later) and ne
 complete. Each part names the parts its step needs (the nodes of that outer step); a step is complete
 when all of them are present and verify. A run whose machines save to their own disks holds only some parts
 of each step on each machine: `latest(root, enough=...)` then takes the newest step whose parts here verify
-and are enough for the caller (e.g. the nodes that this machine resumes). Loading never unpickles: DCP's
-tensor files are read with `weights_only`, the rest is JSON.
+and are enough for the caller (e.g. the nodes that this machine resumes). DCP's tensor files are read with
+`weights_only` and the rest is JSON, but DCP's own `.metadata` is a pickle that torch.distributed.checkpoint
+loads as it is: load checkpoints you trust, as with torch.load. The manifest's checksums catch damage, not
+tampering (whoever can write the files can write the manifest).
 """
 
 from __future__ import annotations
@@ -287,6 +289,9 @@ def verify_step(root: pathlib.Path, step: int, *, checksums: bool = True,
                 continue
             named.update(info["parts"])
             good[part] = info["fingerprint"]
+        if not good:  # every part here is damaged: say that, not "0 whole nodes of the 0 that saved it"
+            raise CorruptCheckpoint(path, "; ".join(
+                "part " + p.removeprefix(f"checkpoint {path}{os.sep}") for p in problems))
         why = enough(tuple(good), tuple(sorted(named)))
         if why is not None:
             raise IncompleteCheckpoint(path, why + "".join(f"; {p}" for p in problems))

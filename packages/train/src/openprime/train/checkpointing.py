@@ -111,17 +111,18 @@ def newest_saved(root: pathlib.Path, *, num_nodes: int = 1) -> int | None:
     return None
 
 
-def saved_nodes(root: pathlib.Path, step: int) -> list[list[str]]:
-    """The parts of the nodes of step `step` under `root` whose parts all finished saving (manifests checked, not
-    checksums), by node; raises CorruptCheckpoint (IncompleteCheckpoint: no node finished) or OSError."""
-    return parts_by_node(usable_nodes(verify_step(root, step, checksums=False, enough=nodes_here(1))))
+def saved_nodes(root: pathlib.Path, step: int, *, checksums: bool = False) -> list[list[str]]:
+    """The parts of the nodes of step `step` under `root` whose parts all finished saving (manifests checked, and
+    with `checksums` every file's SHA-256), by node; raises CorruptCheckpoint (IncompleteCheckpoint: no node
+    finished) or OSError."""
+    return parts_by_node(usable_nodes(verify_step(root, step, checksums=checksums, enough=nodes_here(1))))
 
 
-def num_nodes_saved(root: pathlib.Path, step: int) -> int:
-    """How many nodes' parts of step `step` under `root` all finished saving; 0 when none did or the step is gone
-    (a live run on a shared disk prunes its old steps)."""
+def num_nodes_saved(root: pathlib.Path, step: int, *, checksums: bool = False) -> int:
+    """How many nodes' parts of step `step` under `root` all finished saving (`checksums`: and verify); 0 when none
+    did or the step is gone (a live run on a shared disk prunes its old steps)."""
     try:
-        return len(saved_nodes(root, step))
+        return len(saved_nodes(root, step, checksums=checksums))
     except (CorruptCheckpoint, OSError, ValueError, KeyError):
         return 0
 
@@ -349,13 +350,16 @@ def find_checkpoint(spec: str, cfg: CheckpointConfig, run_dir: pathlib.Path, *, 
         try:
             return usable_nodes(latest(root, enough=nodes_here(num_nodes)))
         except CheckpointNotFound as e:
-            fewer = newest_saved(root, num_nodes=1) if num_nodes > 1 else None
-            held = num_nodes_saved(root, fewer) if fewer is not None else 0
-            if not 0 < held < num_nodes:  # none, or its checksums failed: what latest said is the story
+            if num_nodes == 1:
                 raise
+            try:  # with checksums: a step whose parts are damaged is no step to name (found 2026-12-07 by review)
+                fewer = usable_nodes(latest(root, enough=nodes_here(1)))
+            except CheckpointNotFound:
+                raise e from None  # none: what latest said is the story
+            held = len(parts_by_node(fewer))
             raise CheckpointNotFound(
                 f"no step under {root} holds the parts of {num_nodes} nodes here (--nodes {num_nodes}); the newest "
-                f"step holding a whole node, {fewer}, holds {held}. Resume it with --resume {step_dir(root, fewer)}: "
+                f"step holding a whole node, {fewer.step}, holds {held}. Resume it with --resume {fewer.path}: "
                 f"its {held} node(s) continue from their parts and the other {num_nodes - held} take the state from "
                 f"them at the first outer step ({e})") from None
     return usable_nodes(resolve(pathlib.Path(spec), enough=nodes_here(1)))

@@ -542,11 +542,12 @@ def _resume_from(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path
               f"start (data.on_layout_change=restart)", flush=True)
     print(f"openprime: resuming from {found.path} ({len(nodes)} nodes"
           f"{f' of {ranks} local ranks' if ranks > 1 else ''}, checksums verified)", flush=True)
-    # Later steps that hold a whole node are another timeline's checkpoints; the others are saves a crash cut short,
-    # which the run's own saves replace as before.
+    # Later steps that hold a whole node are another timeline's checkpoints; the others are saves a crash cut short
+    # or damaged on disk, which the run's own saves replace as before. Checksums included: a damaged newest step was
+    # moved aside as another timeline, with the advice to resume from it (found 2026-12-07 by review).
     # Only under the run directory this launch holds locked: a checkpoint.directory elsewhere may be another live
     # run's, still writing those steps.
-    other_timeline = [step for step in later if num_nodes_saved(root, step) > 0]
+    other_timeline = [step for step in later if num_nodes_saved(root, step, checksums=True) > 0]
     if args.join or not root.resolve().is_relative_to(run_dir.resolve()):
         other_timeline = []
     return found, other_timeline
