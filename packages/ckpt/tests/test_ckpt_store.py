@@ -261,6 +261,17 @@ def test_prune_keeps_the_newest_and_removes_leftovers(tmp_path) -> None:
     assert list_steps(tmp_path) == [40, 60]
 
 
+def test_a_directory_put_beside_the_parts_of_a_step_does_not_stop_the_pruning(tmp_path) -> None:
+    """A directory that is no part (a copy someone made, here "slot-0.bak") was counted among the parts this disk
+    holds of the layout: no later step held it, none was complete, and no step was ever pruned again."""
+    for step in (20, 40, 60, 80):
+        write_part(tmp_path, step, "slot-0", make_state(step), parts=["slot-0"])
+        if step == 20:
+            (step_dir(tmp_path, 20) / "slot-0.bak").mkdir()
+        prune(tmp_path, "slot-0", num_keep=2, saved=step)
+    assert list_steps(tmp_path) == [60, 80]
+
+
 @pytest.mark.parametrize("parts", [["slot-0", "slot-1"], ["slot-0-rank-0", "slot-0-rank-1"]],
                          ids=["two nodes", "two local ranks"])
 def test_prune_keeps_the_newest_complete_steps_while_a_sibling_part_is_late_failed_or_killed(tmp_path, parts) -> None:

@@ -416,7 +416,7 @@ def _complete_steps(root: pathlib.Path, steps: Sequence[int], usable: PartsCheck
                 layout[step] = tuple(sorted(part_info(step_dir(root, step) / name)["parts"]))
                 break
     held: dict[tuple[str, ...], set[str]] = {}
-    for step, parts in layout.items():
-        held.setdefault(parts, set()).update(present[step])
+    for step, parts in layout.items():  # only parts the layout names: a directory put beside them is no part
+        held.setdefault(parts, set()).update(present[step] & set(parts))
     return [step for step in steps if step in layout and held[layout[step]] <= present[step]
             and (usable is None or usable(tuple(sorted(present[step])), layout[step]) is None)]
