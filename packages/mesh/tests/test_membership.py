@@ -739,6 +739,33 @@ def test_a_restarted_coordinator_waits_for_the_members_before_refusing_a_statele
         reborn.stop()
 
 
+def test_a_node_that_reaches_a_restarted_coordinator_before_the_members_does_not_take_the_run_over():
+    """A node resumed from an older checkpoint reaches the restarted coordinator's barrier before the run's members
+    report back. It formed a first view alone at once, with the epoch the members then reported (not newer, so not
+    adopted): they were evicted as unknown, and on rejoining took its older state (found 2026-12-07 by review). A
+    first view now waits out the recovery window, the members' view is adopted, and the node joins it as new."""
+    config = attrs.evolve(FAST, heartbeat_interval_s=1.0)  # a 3 s recovery window
+    clients, reborn = _restart_after_one_outer_step(Coordinator(attrs.evolve(config, min_nodes=2)).start(), config)
+    resumed = MeshClient(reborn.address, config, node_id="resumed")
+    try:
+        resumed.join(slot=len(clients))
+
+        def member_sync(c):
+            while "resumed" not in reborn._waiting:
+                time.sleep(0.01)
+            time.sleep(0.3)  # several of the coordinator's ticks with only the resumed node at the barrier
+            return c.sync(1, state_hash="run", hash_step=0)
+
+        views = run_threads([lambda: resumed.sync(0, state_hash="older", hash_step=-1)]
+                            + [lambda c=c: member_sync(c) for c in clients])
+        assert len(set(views)) == 1, views
+        assert views[0].members == ("node-0", "node-1", "resumed") and views[0].new == ("resumed",)
+        assert views[0].step == 1 and views[0].donor in ("node-0", "node-1") and not reborn.evictions
+    finally:
+        _close([*clients, resumed])
+        reborn.stop()
+
+
 def test_hash_disagreement_is_reported(coordinator):
     clients = _clients(coordinator, 2)
     run_threads([lambda c=c: c.sync(0) for c in clients])

@@ -484,6 +484,13 @@ class Coordinator:
         joiners = sorted((n for n in self._waiting if n not in live_members), key=lambda n: self.nodes[n].slot)
         if not live_members and len(joiners) < self.config.min_nodes:
             return  # the first view waits for min_nodes
+        if not live_members and self._just_started():
+            # A first view waits out the recovery window too: this coordinator may have restarted under a live run
+            # whose members report back within it. Formed at once from a joiner (a node resumed from an older
+            # checkpoint, or a new one), it took the epoch the members report, they were not adopted and were
+            # evicted as unknown, and on rejoining took the joiner's older state: the run rolled back (found
+            # 2026-12-07 by review). A new run's first barrier comes after its first inner steps, past the window.
+            return
         arrivals = [self._waiting[m][2] for m in live_members] or [self._waiting[j][2] for j in joiners]
         step = max(a["step"] for a in arrivals)
         attempt = max(a["attempt"] for a in arrivals if a["step"] == step)
