@@ -539,6 +539,41 @@ def test_after_a_coordinator_restart_a_joiner_gets_no_slot_a_live_member_holds()
         _close([c for c in (a, b, joiner) if c is not None])
 
 
+def test_a_new_process_under_the_id_of_a_member_not_yet_back_after_a_restart_joins_as_a_new_node():
+    """node-1 died (no deathrattle) while the coordinator restarted; the restarted coordinator adopted the view of
+    node-0's heartbeat, node-1 in it as a placeholder, and node-1's new process (a fixed id) joined: it was answered
+    the placeholder's slot (-2) and every later message of it was refused, until its sync timed out."""
+    first = Coordinator(attrs.evolve(FAST, min_nodes=2)).start()
+    a, b = (MeshClient(first.address, FAST, node_id=f"node-{i}") for i in range(2))
+    again = None
+    try:
+        a.join()
+        b.join()
+        run_threads([lambda c=c: c.sync(0) for c in (a, b)])
+        run_threads([lambda c=c: c.commit(0, 0, True) for c in (a, b)])
+        b.close(leave=False)
+        address = first.address
+        first.stop()
+        restarted = Coordinator(FAST, bind=address).start()
+        try:
+            while restarted.members != ["node-0", "node-1"]:  # node-0's heartbeat: the view adopted
+                time.sleep(0.01)
+            again = MeshClient(address, FAST, node_id="node-1")
+            assert again.join() not in (-2, a.slot) and 0 <= again.slot < FAST.max_nodes
+            def member_sync():  # once the new process waits at the barrier (else the barrier may form without it)
+                while "node-1" not in restarted._waiting:
+                    time.sleep(0.01)
+                return a.sync(1)
+
+            views = run_threads([member_sync, lambda: again.sync(0, stateless=True)])
+            assert views[0] == views[1] and views[0].new == ("node-1",) and views[0].step == 1
+            assert not [r for r in restarted.refusals if "outside" in r]
+        finally:
+            restarted.stop()
+    finally:
+        _close([c for c in (a, again) if c is not None])
+
+
 def test_a_belief_with_counters_a_reply_could_not_carry_or_repeated_members_is_refused():
     # An epoch of 2**64 - 1, adopted, overflowed msgpack in the next view's reply and ended the coordinator's loop.
     from openprime.mesh.protocol import BadMessage, check_request

@@ -339,6 +339,14 @@ class Coordinator:
             self._refuse(route, reason)
             return {"op": "refused", "reason": reason}
         record = self.nodes.get(node)
+        if record is not None and not record.incarnation:
+            # A member of a view this restarted coordinator adopted that has not reported back (its placeholder,
+            # slot -1 - i) and a process joining under its id (ids fixed by the caller): a new process, the member's
+            # own having died. It was taken for the member, answered the placeholder slot, and every later message
+            # of it was refused as out of range while it waited out its sync timeout (found 2026-12-07 by review).
+            self._remove(node, "a new process joined under its id before it reported back to the restarted "
+                               "coordinator; it joins as a new node")
+            record = None
         if record is None:
             slot = self._grant_slot(node, message.get("slot", -1))
             if slot >= self.num_slots:
