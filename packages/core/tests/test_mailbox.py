@@ -157,3 +157,23 @@ def test_the_same_for_a_receive_that_adds():
         mailbox.post(EARLY_PEER, EARLY_TAG, [torch.empty(numel)], time.monotonic() + 5, acc=acc).wait()
     assert torch.equal(acc, torch.full((numel,), 5.0))
     assert mailbox._unexpected_bytes == 0
+
+
+def test_a_chunk_still_arriving_when_its_receive_failed_does_not_hold_memory_for_good():
+    """A chunk began to arrive before its receive was posted, and its read ended after the receive had failed (its
+    deadline passed). It stayed in the store of early chunks, counted against max_unexpected_bytes: after a few, a
+    healthy early message was refused as a flood (FrameError: the connection then taken for lost)."""
+    mailbox = Mailbox(max_unexpected_bytes=3 << 20)
+    for seq in range(4):
+        header = FrameHeader(tag=TAG, seq=seq, sizes=(1 << 20,), offset=0, length=1 << 20)
+        token, region = mailbox.target(PEER, header, framed=(1 << 20) + 32)  # early: its read begins
+        recv = mailbox.post(PEER, TAG, [torch.empty(1 << 20, dtype=torch.uint8)], time.monotonic() + 0.05)
+        with pytest.raises(PeerFailure):
+            recv.wait()
+        region.fill_(1)  # the rest of the chunk is read after the receive failed
+        mailbox.delivered(PEER, header, token, framed=(1 << 20) + 32)
+        assert mailbox._unexpected_bytes == 0
+    _deliver(mailbox, torch.arange(256, dtype=torch.uint8), 0, 256, seq=4)  # a healthy early message
+    out = torch.empty(256, dtype=torch.uint8)
+    mailbox.post(PEER, TAG, [out], time.monotonic() + 5).wait()
+    assert torch.equal(out, torch.arange(256, dtype=torch.uint8))

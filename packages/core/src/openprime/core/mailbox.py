@@ -264,6 +264,11 @@ class Mailbox:
         key = (recv.peer, recv.tag, recv.seq)
         self._posted.pop(key, None)
         self._finished.add(key)
+        # Chunks of it that began to arrive before it was posted and are still being read: nothing will take them.
+        # Kept, they counted against max_unexpected_bytes for the transport's life (marked filled when their read
+        # ended), until a healthy early message was refused as a flood and its peer taken for lost (found 2026-12-07
+        # by review). Their reads end in `delivered`, which drops a chunk no longer held.
+        self._unexpected_bytes -= sum(u.data.numel() for u in self._unexpected.pop(key, ()))
         self.cond.notify_all()
 
     def _fail_peer(self, peer: int, error: OpenPrimeError, *, drop_unexpected: bool) -> None:
