@@ -153,6 +153,11 @@ class ZmqTransport(StreamTransport):
         sock.setsockopt(zmq.RECONNECT_IVL, -1)  # a broken connection stays broken; see the module docstring
         sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         sock.setsockopt(zmq.MAXMSGSIZE, CONTROL_MAX_BYTES)  # only handshake replies come back
+        # Every payload zero-copy, so that every send is tracked and the writer waits for it to leave (_await_sent):
+        # one message in flight per DEALER, which `_send_chunk`'s "no room: connection lost" relies on. Payloads under
+        # pyzmq's threshold (64 KiB) were copied and their trackers done at once: up to SNDHWM of them queued, and
+        # a peer paused for a second (a GC pause, a descheduled VM) read as dead (found 2026-12-07 by review).
+        sock.copy_threshold = 0
         return sock
 
     def _client_handshake(self, socks: list[zmq.Socket], target: str, peer: int, generation: int,
