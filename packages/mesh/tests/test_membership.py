@@ -510,19 +510,25 @@ def test_a_node_granted_a_slot_another_node_held_gets_what_that_node_last_report
         coordinator.stop()
 
 
+def _two_members_past_outer_step_0() -> tuple[Coordinator, tuple[MeshClient, MeshClient]]:
+    """A coordinator and its two members (fixed ids node-0, node-1) that applied outer step 0."""
+    first = Coordinator(attrs.evolve(FAST, min_nodes=2)).start()
+    members = tuple(MeshClient(first.address, FAST, node_id=f"node-{i}") for i in range(2))
+    for c in members:
+        c.join()
+    run_threads([lambda c=c: c.sync(0) for c in members])
+    run_threads([lambda c=c: c.commit(0, 0, True) for c in members])
+    return first, members
+
+
 def test_after_a_coordinator_restart_a_joiner_gets_no_slot_a_live_member_holds():
     """The restarted coordinator knew the members' slots only from their next syncs (an outer step's compute later)
     and granted a node that joined meanwhile a member's slot, moving the member in its records only: two live nodes
     read one data slot. Now the members' heartbeats say their slots, and a node that joined before its member
     reported back is made to join again rather than the member moved."""
-    first = Coordinator(attrs.evolve(FAST, min_nodes=2)).start()
-    a, b = (MeshClient(first.address, FAST, node_id=f"node-{i}") for i in range(2))
+    first, (a, b) = _two_members_past_outer_step_0()
     joiner = None
     try:
-        a.join()
-        b.join()
-        run_threads([lambda c=c: c.sync(0) for c in (a, b)])
-        run_threads([lambda c=c: c.commit(0, 0, True) for c in (a, b)])
         address = first.address
         first.stop()
         restarted = Coordinator(FAST, bind=address).start()
@@ -543,14 +549,9 @@ def test_a_new_process_under_the_id_of_a_member_not_yet_back_after_a_restart_joi
     """node-1 died (no deathrattle) while the coordinator restarted; the restarted coordinator adopted the view of
     node-0's heartbeat, node-1 in it as a placeholder, and node-1's new process (a fixed id) joined: it was answered
     the placeholder's slot (-2) and every later message of it was refused, until its sync timed out."""
-    first = Coordinator(attrs.evolve(FAST, min_nodes=2)).start()
-    a, b = (MeshClient(first.address, FAST, node_id=f"node-{i}") for i in range(2))
+    first, (a, b) = _two_members_past_outer_step_0()
     again = None
     try:
-        a.join()
-        b.join()
-        run_threads([lambda c=c: c.sync(0) for c in (a, b)])
-        run_threads([lambda c=c: c.commit(0, 0, True) for c in (a, b)])
         b.close(leave=False)
         address = first.address
         first.stop()
@@ -750,6 +751,14 @@ def test_a_restarted_coordinator_learns_the_run_s_terms_from_its_members(coordin
         reborn.stop()
 
 
+def _once_alone_at_the_barrier(coordinator: Coordinator, node: str, sync):
+    """`sync()` once `node` has waited at `coordinator`'s barrier alone for several of its ticks."""
+    while node not in coordinator._waiting:
+        time.sleep(0.01)
+    time.sleep(0.3)
+    return sync()
+
+
 def test_a_restarted_coordinator_waits_for_the_members_before_refusing_a_stateless_joiner():
     # The joiner reaches the restarted coordinator's barrier before any member has reported back: no node there
     # holds the state yet, but the run's members are alive. Within the recovery window it waits for them.
@@ -761,13 +770,9 @@ def test_a_restarted_coordinator_waits_for_the_members_before_refusing_a_statele
         # (test_after_a_coordinator_restart_a_joiner_gets_no_slot_a_live_member_holds).
         late.join(slot=len(clients))
 
-        def member_sync(c):
-            while "late" not in reborn._waiting:
-                time.sleep(0.01)
-            time.sleep(0.3)  # several of the coordinator's ticks with only the stateless joiner at the barrier
-            return c.sync(1)
-
-        views = run_threads([lambda: late.sync(0, stateless=True)] + [lambda c=c: member_sync(c) for c in clients])
+        views = run_threads([lambda: late.sync(0, stateless=True)]
+                            + [lambda c=c: _once_alone_at_the_barrier(reborn, "late", lambda: c.sync(1))
+                               for c in clients])
         assert len(set(views)) == 1 and views[0].new == ("late",) and not reborn.refusals
     finally:
         _close([*clients, late])
@@ -785,14 +790,9 @@ def test_a_node_that_reaches_a_restarted_coordinator_before_the_members_does_not
     try:
         resumed.join(slot=len(clients))
 
-        def member_sync(c):
-            while "resumed" not in reborn._waiting:
-                time.sleep(0.01)
-            time.sleep(0.3)  # several of the coordinator's ticks with only the resumed node at the barrier
-            return c.sync(1, state_hash="run", hash_step=0)
-
         views = run_threads([lambda: resumed.sync(0, state_hash="older", hash_step=-1)]
-                            + [lambda c=c: member_sync(c) for c in clients])
+                            + [lambda c=c: _once_alone_at_the_barrier(
+                                reborn, "resumed", lambda: c.sync(1, state_hash="run", hash_step=0)) for c in clients])
         assert len(set(views)) == 1, views
         assert views[0].members == ("node-0", "node-1", "resumed") and views[0].new == ("resumed",)
         assert views[0].step == 1 and views[0].donor in ("node-0", "node-1") and not reborn.evictions
