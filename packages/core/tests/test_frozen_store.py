@@ -19,7 +19,14 @@ from openprime.core.distributed import peer_address, store_client
 from openprime.core.errors import PeerFailure
 from openprime.core.transport import Rendezvous
 
-pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="needs SIGSTOP")
+pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGSTOP") or not os.path.exists("/proc/self/stat"),
+                                reason="needs SIGSTOP and /proc")
+
+
+def _state(pid: int) -> str:
+    """The process's state letter in /proc (T: stopped)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
 
 
 @pytest.fixture
@@ -30,8 +37,17 @@ def store():
          "s = dist.TCPStore('127.0.0.1', 0, is_master=True, timeout=datetime.timedelta(seconds=30), "
          "wait_for_workers=False)\nprint(s.port, flush=True)\ntime.sleep(120)"],
         stdout=subprocess.PIPE, text=True)
+    def freeze() -> None:
+        # SIGSTOP takes effect once the process is scheduled: until then (a loaded machine) its store still answers,
+        # and a test's first request went through (a CI run's "DID NOT RAISE", 2026-12-07). Wait for the stop.
+        os.kill(server.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while _state(server.pid) != "T":
+            assert time.monotonic() < deadline, f"the store's process did not stop ({_state(server.pid)})"
+            time.sleep(0.005)
+
     try:
-        yield int(server.stdout.readline()), lambda: os.kill(server.pid, signal.SIGSTOP)
+        yield int(server.stdout.readline()), freeze
     finally:
         server.kill()  # SIGKILL ends a stopped process too
         server.wait(timeout=30)
