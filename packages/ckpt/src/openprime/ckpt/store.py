@@ -278,23 +278,24 @@ def verify_step(root: pathlib.Path, step: int, *, checksums: bool = True,
         _say_checking(path, present)
     if enough is not None:
         good: dict[str, Fingerprint | None] = {}
-        named, problems = set(), []
+        named, problems = set(), []  # problems: (part, why it was left out)
         for part in present:
             try:
                 verify_manifest(path / part, checksums=checksums)
                 info = part_info(path / part)
             except (CorruptCheckpoint, OSError, ValueError, KeyError) as e:
-                problems.append(str(e))
+                problems.append((part, e))
                 log.warning("leaving part %s of checkpoint step %d out: %s", part, step, e)
                 continue
             named.update(info["parts"])
             good[part] = info["fingerprint"]
         if not good:  # every part here is damaged: say that, not "0 whole nodes of the 0 that saved it"
             raise CorruptCheckpoint(path, "; ".join(
-                "part " + p.removeprefix(f"checkpoint {path}{os.sep}") for p in problems))
+                f"part {part} is corrupt: {e.reason}" if isinstance(e, CorruptCheckpoint) else f"part {part}: {e}"
+                for part, e in problems))
         why = enough(tuple(good), tuple(sorted(named)))
         if why is not None:
-            raise IncompleteCheckpoint(path, why + "".join(f"; {p}" for p in problems))
+            raise IncompleteCheckpoint(path, why + "".join(f"; {e}" for _, e in problems))
         _check_one_save(path, good)
         return Checkpoint(step=step, path=path, parts=tuple(good), verified=checksums)
     verify_manifest(path / present[0], checksums=checksums)
