@@ -363,6 +363,33 @@ def test_where_the_pseudo_gradient_is_computed(where, codec, device, expected):
     assert (got.type if got is not None else None) == expected
 
 
+class _RecordsIdle(StaticMembership):
+    """Records the transport's counters when DiLoCo says it is done with the round's transport."""
+
+    def __init__(self, transport) -> None:
+        super().__init__(transport)
+        self.at_idle: list[tuple[int, int]] = []
+
+    def idle(self) -> None:
+        self.at_idle.append((self.transport.bytes_sent, self.transport.bytes_received))
+
+
+def test_the_membership_is_told_the_transport_is_idle_only_after_the_outer_step_s_counted_traffic():
+    """The mesh measures its links (bandwidth probe) once told the transport is idle; a probe that started at the
+    commit ran beside the hashes' comparison, whose bytes the outer step counts, and was counted again in the next
+    round (found 2026-12-07). Every byte the result counts has moved by then, and nothing after it."""
+    memberships = [_RecordsIdle(t) for t in local_group(2)]
+    dilocos = [DiLoCo([torch.nn.Parameter(torch.zeros(1000))], config=DiLoCoConfig(num_inner_steps=1), membership=m,
+                      timeouts=TIMEOUTS) for m in memberships]
+    for _ in range(2):
+        before = [(m.transport.bytes_sent, m.transport.bytes_received) for m in memberships]
+        results = run_threads([d.sync for d in dilocos])
+        for m, (sent0, received0), r in zip(memberships, before, results, strict=True):
+            assert m.at_idle[-1] == (sent0 + r.bytes_sent, received0 + r.bytes_received)
+            assert m.at_idle[-1] == (m.transport.bytes_sent, m.transport.bytes_received)
+    assert [len(m.at_idle) for m in memberships] == [2, 2]  # once an outer step
+
+
 def test_an_outer_steps_result_counts_every_byte_its_transport_moved_and_the_wait_for_a_background_send():
     # The hashes' comparison after the commit moves bytes too: they were left out of bytes_sent/received
     # (2026-12-07), and the wait for a non-blocking donor's background send was left out of total_s.

@@ -54,7 +54,15 @@ class Membership(ABC):
         """A collective after the commit (the comparison of the state hashes) failed on the last round's transport:
         close that transport now, so that members still waiting on this node in it fail at once instead of at
         their deadline (they close theirs in turn: the failure goes round the ring in a few round trips). The
-        next `begin` gives a working transport."""
+        next `begin` may give the closed transport back: a group is rebuilt only when every member does (a new
+        view, or a retry), so under an unchanged view the next outer step's first try fails at once and its retry
+        gives a working transport."""
+
+    def idle(self) -> None:
+        """The caller is done with the last round's transport until its next `begin` (the outer step's counted
+        traffic is over): background work of the membership, such as measuring the links, may use it now. A
+        membership without such work does nothing here."""
+        return None
 
     @abstractmethod
     def close(self) -> None:

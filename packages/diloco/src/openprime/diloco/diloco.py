@@ -230,6 +230,7 @@ class DiLoCo:
         received_before = self.recovery.bytes_received
         self._after_commit(rnd)  # a non-blocking joiner receives the state here
         received += self.recovery.bytes_received - received_before
+        self.membership.idle()  # this outer step's traffic is counted: the membership may probe the links now
         return self._result(step, num_contributors, t.world_size, attempt + 1, False, sent, received, all_reduce_s,
                             start)
 
@@ -307,7 +308,8 @@ class DiLoCo:
                 log.warning("receiving the state from rank %d failed: %s; finishing it at the next outer step",
                             rnd.donor_rank, e)
                 # Not on this transport: receives of the failed transfer may still be posted on it, and would take
-                # (and count) the donor's next state messages. Closed, the next outer step builds a new group.
+                # (and count) the donor's next state messages. Closed, it fails the next outer step's first try at
+                # once (the others still hold their end of it) and the retry builds a new group for every member.
                 self.membership.abandon()
 
     def _install(self, meta: dict | None) -> None:

@@ -72,6 +72,7 @@ class ElasticDeviceMesh(Membership):
         self._probed_epoch = -1
         self._probed = ProbeBytes()  # what the probes since the last round moved (counted in the next round)
         self._probe: threading.Thread | None = None
+        self._probe_due = False  # the last commit applied a try of a group not yet measured: probe at idle()
         self._measured: dict[str, float] = {}  # node -> bytes/s from it to this node, reported at the next sync
         # Who this node is, the same on every local rank (only local rank 0 holds the client).
         identity = self._share([client.node, client.slot, client.joined_epoch, client.inherited_slot_state]
@@ -139,6 +140,7 @@ class ElasticDeviceMesh(Membership):
     # ------------------------------------------------------------------ Membership
 
     def begin(self, step: int, attempt: int, *, state_hash: str | None, hash_step: int) -> Round:
+        self._probe_due = False
         bandwidth = self._probe_results()
         probed, self._probed = self._probed, ProbeBytes()
         node_hash = self._gather_hashes(state_hash)
@@ -199,9 +201,17 @@ class ElasticDeviceMesh(Membership):
             applied = bool(self._on_rank0(lambda: self.client.commit(step, attempt, ok, unreachable=unreachable)))
         finally:
             self._watch.unwatch()
-        if applied and self._probe_bytes and self._probed_epoch != self._epoch and len(self.view.members) > 2:
-            self._start_probe()
+        # Probed once the caller is done with the group (idle): the caller still counts this outer step's traffic
+        # after the commit (DiLoCo's hash comparison, a state sent in the background), and a probe started here
+        # was counted there and again, through `_probed`, in the next round.
+        self._probe_due = (applied and self._probe_bytes > 0 and self._probed_epoch != self._epoch
+                           and len(self.view.members) > 2)
         return applied
+
+    def idle(self) -> None:
+        if self._probe_due:
+            self._probe_due = False
+            self._start_probe()
 
     def _unreachable_nodes(self) -> list[str]:
         """The members this node's transports of the try could not connect to (any local rank's), by node id: what
@@ -215,6 +225,7 @@ class ElasticDeviceMesh(Membership):
     def abandon(self) -> None:
         # The same group serves the next outer step if the view does not change (the same epoch, a first try);
         # closed, it fails that try at once and the second try builds a new one.
+        self._probe_due = False  # not over a closed group
         if self._transport is not None:
             self._transport.close()
 

@@ -93,6 +93,7 @@ class GradientAllReduce:
             if self.membership.commit(step, attempt, ok):
                 break
             attempt += 1
+        self.membership.idle()  # this step's traffic is counted: the membership may probe the links now
         self.flat.div_(t.world_size)
         self._scatter_gradients()
         self._result = OuterStepResult(outer_step=step + 1, num_contributors=t.world_size, num_members=t.world_size,
