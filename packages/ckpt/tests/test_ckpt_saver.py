@@ -109,3 +109,43 @@ def test_a_full_disk_fails_the_save_not_the_run(tmp_path) -> None:
     assert "results [(20, True, ''), (40, False, 'RuntimeError: " in out  # torch's zip writer hit EFBIG
     assert "latest 20 training goes on" in out
     assert not step_dir(tmp_path / "ckpt", 40).exists()  # the partial write was removed, and its empty step
+
+
+def test_a_save_whose_directory_fsync_fails_after_its_rename_is_done_with_a_warning(tmp_path, monkeypatch,
+                                                                                      caplog) -> None:
+    """The fsync of the checkpoint root after the part's rename fails (EIO): the part is complete and in place, and a
+    resume takes it, but the save was counted as failed ("FAILED ... a crash would lose the steps since"; review,
+    2026-12-07). It is a save done, with a warning that a power cut might lose it; and since one might, it prunes
+    no older checkpoint, until a save the disk confirms."""
+    import errno
+    import logging
+
+    from openprime.ckpt import SaveNotDurable, list_steps, store, write_part
+
+    ckpt = Checkpointer(tmp_path, part="slot-0", mode=SaveMode.SYNC, num_keep=1)
+    ckpt.save(20, state(20.0), parts=["slot-0"])
+    fsync = store.fsync_path
+
+    def failing(path) -> None:
+        if pathlib.Path(path) == tmp_path:
+            raise OSError(errno.EIO, "Input/output error")
+        fsync(path)
+
+    monkeypatch.setattr(store, "fsync_path", failing)
+    with caplog.at_level(logging.WARNING, logger="openprime.ckpt"):
+        ckpt.save(40, state(40.0), parts=["slot-0"])
+    result = ckpt.results[-1]
+    assert (result.step, result.path, ckpt.num_failed) == (40, step_dir(tmp_path, 40) / "slot-0", 0)
+    assert result.error == "" and "Input/output error" in result.warning
+    assert "FAILED" not in caplog.text
+    assert (f"checkpoint of step 40 saved to {result.path}, but the disk did not confirm it durable ([Errno 5] "
+            f"Input/output error): it is complete and in place, but a power cut might lose it; older checkpoints "
+            f"are kept until a save is confirmed") in caplog.text
+    assert latest(tmp_path).step == 40 and read_part(result.path)["step"] == 40
+    assert list_steps(tmp_path) == [20, 40]  # num_keep=1, but step 20 is kept
+    with pytest.raises(SaveNotDurable, match="is saved, but the disk did not confirm it durable") as raised:
+        write_part(tmp_path, 50, "slot-0", state(50.0), parts=["slot-0"])  # write_part itself says so
+    assert raised.value.path == step_dir(tmp_path, 50) / "slot-0" and latest(tmp_path).step == 50
+    monkeypatch.undo()
+    ckpt.save(60, state(60.0), parts=["slot-0"])  # confirmed: the older ones are pruned
+    assert list_steps(tmp_path) == [60] and ckpt.num_failed == 0

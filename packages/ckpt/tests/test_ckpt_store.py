@@ -15,6 +15,7 @@ from openprime.ckpt import (
     CheckpointNotFound,
     CorruptCheckpoint,
     Fingerprint,
+    abandoned_steps,
     check_compatible,
     latest,
     list_steps,
@@ -374,3 +375,170 @@ def test_snapshot_reuses_an_earlier_snapshot_memory() -> None:
     assert_same(second, snapshot(live))  # and the values are the live ones
     live["model"]["norm.weight"] = torch.zeros(7)  # a shape that changed gets fresh memory
     assert snapshot(live, reuse=second)["model"]["norm.weight"].shape == (7,)
+
+
+def _newest(root: pathlib.Path) -> tuple[int, int]:
+    """The step a resume would take now, and the `inner` counter its part holds (which save of the step it is)."""
+    found = latest(root)
+    return found.step, read_part(found.part("slot-0"))["counters"]["inner"]
+
+
+def test_saving_a_step_again_keeps_a_complete_part_in_place_at_every_instant(tmp_path, monkeypatch) -> None:
+    """A run resumed from an older step saves the later ones again. The old part was removed before the new one was
+    renamed into place: a crash (or an error) in between left the step without it (review, 2026-12-07). At every
+    rename and removal of the re-save, what a resume would find is the step, whole: the old part or the new."""
+    import shutil
+
+    from openprime.ckpt import store
+
+    write_part(tmp_path, 20, "slot-0", make_state(20), parts=["slot-0"])
+    write_part(tmp_path, 40, "slot-0", make_state(40), parts=["slot-0"])
+    seen: list[tuple[str, tuple[int, int]]] = []
+
+    def probing(name, fn):
+        def probe(*args, **kwargs):
+            if str(args[0]).startswith(str(tmp_path)):
+                seen.append((name, _newest(tmp_path)))  # what a crash here would leave
+            return fn(*args, **kwargs)
+        return probe
+
+    monkeypatch.setattr(os, "rename", probing("rename", os.rename))
+    monkeypatch.setattr(shutil, "rmtree", probing("rmtree", shutil.rmtree))
+    monkeypatch.setattr(store, "_exchange", probing("exchange", store._exchange))
+    write_part(tmp_path, 40, "slot-0", make_state(41), parts=["slot-0"])
+    monkeypatch.undo()
+    old, new = (40, make_state(40)["counters"]["inner"]), (40, make_state(41)["counters"]["inner"])
+    assert all(found in (old, new) for _, found in seen), seen
+    assert any(name == "exchange" for name, _ in seen), seen  # the filesystem here swaps (ext4, tmpfs, xfs, btrfs)
+    assert _newest(tmp_path) == new
+    assert [p.name for p in step_dir(tmp_path, 40).iterdir()] == ["slot-0"]  # the old part removed once swapped
+
+
+def test_a_failed_save_of_a_step_again_leaves_the_old_part_in_place(tmp_path, monkeypatch) -> None:
+    """The rename that puts the new part in place fails (EIO): the old part was gone already, and the new one was
+    removed as a failed save's. Now the step keeps its old part, whole."""
+    import errno
+
+    from openprime.ckpt import store
+
+    write_part(tmp_path, 40, "slot-0", make_state(40), parts=["slot-0"])
+
+    def failing(fn):
+        def rename(src, dst, *args, **kwargs):
+            if pathlib.Path(dst) == step_dir(tmp_path, 40) / "slot-0":
+                raise OSError(errno.EIO, "Input/output error (injected)")
+            return fn(src, dst, *args, **kwargs)
+        return rename
+
+    monkeypatch.setattr(os, "rename", failing(os.rename))
+    monkeypatch.setattr(store, "_exchange", failing(store._exchange))
+    with pytest.raises(OSError, match="injected"):
+        write_part(tmp_path, 40, "slot-0", make_state(41), parts=["slot-0"])
+    monkeypatch.undo()
+    assert _newest(tmp_path) == (40, make_state(40)["counters"]["inner"])
+    assert [p.name for p in step_dir(tmp_path, 40).iterdir()] == ["slot-0"]  # and no temporary directory left
+
+
+def test_a_filesystem_that_cannot_swap_replaces_a_part_by_renaming_the_old_one_aside(tmp_path, monkeypatch) -> None:
+    """Without RENAME_EXCHANGE (NFS, not Linux) the old part is renamed aside, then the new one into place: a failure
+    of the second rename puts the old part back."""
+    import errno
+
+    from openprime.ckpt import store
+
+    monkeypatch.setattr(store, "_exchange", lambda a, b: False)
+    write_part(tmp_path, 40, "slot-0", make_state(40), parts=["slot-0"])
+    write_part(tmp_path, 40, "slot-0", make_state(41), parts=["slot-0"])
+    assert _newest(tmp_path) == (40, make_state(41)["counters"]["inner"])
+    assert [p.name for p in step_dir(tmp_path, 40).iterdir()] == ["slot-0"]
+    rename, into_place = os.rename, []
+
+    def failing(src, dst, *args, **kwargs):
+        if pathlib.Path(dst).name == "slot-0":
+            into_place.append(pathlib.Path(src).name)
+            if len(into_place) == 1:  # the new part's rename (the old part's, back, goes through)
+                raise OSError(errno.EIO, "Input/output error (injected)")
+        return rename(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rename", failing)
+    with pytest.raises(OSError, match="injected"):
+        write_part(tmp_path, 40, "slot-0", make_state(42), parts=["slot-0"])
+    monkeypatch.undo()
+    assert len(into_place) == 2 and into_place[0] != into_place[1]
+    assert _newest(tmp_path) == (40, make_state(41)["counters"]["inner"])
+    assert [p.name for p in step_dir(tmp_path, 40).iterdir()] == ["slot-0"]
+
+
+TWO = ["slot-0", "slot-1"]
+
+
+def _whole_nodes(num_nodes: int):
+    """A PartsCheck: at least `num_nodes` nodes (a slot's parts, one per local rank) all here, as a resume asks."""
+    def enough(parts: tuple[str, ...], named: tuple[str, ...]) -> str | None:
+        slots = {name.split("-rank-")[0] for name in named}
+        whole = [s for s in slots if all(n in parts for n in named if n.split("-rank-")[0] == s)]
+        return None if len(whole) >= num_nodes else f"{len(whole)} whole node(s) here, {num_nodes} wanted"
+    return enough
+
+
+def _later_steps(root: pathlib.Path) -> None:
+    """Step 20 whole; the later steps as a 2-node run leaves them: 30 saved by both nodes, slot-1 damaged on disk
+    since; 40 saved by slot-0 alone (slot-1's node died); 50 by the survivor alone, after the mesh dropped the dead
+    node (it names only slot-0); 60 with every part damaged; 70 mixing two saves of it."""
+    for part in TWO:
+        for step in (20, 30, 60):
+            write_part(root, step, part, make_state(step), parts=TWO)
+        write_part(root, 70, part, make_state(70), parts=TWO, fingerprint=Fingerprint(group="rank-0", digest=part))
+    write_part(root, 40, "slot-0", make_state(40), parts=TWO)
+    write_part(root, 50, "slot-0", make_state(50), parts=["slot-0"])
+    for step, part in ((30, "slot-1"), (60, "slot-0"), (60, "slot-1")):
+        data_file = next((step_dir(root, step) / part).glob("*.distcp"))
+        _flip_byte(data_file, data_file.stat().st_size // 2)
+
+
+def test_a_later_step_with_a_damaged_part_is_not_another_timeline(tmp_path) -> None:
+    """A resume of 2 nodes goes back to step 20. Step 30, one of whose two parts is damaged, was set aside as another
+    timeline's ("a node died and the others saved on without it": both nodes saved it; review, 2026-12-07); only the
+    steps some of the resumed nodes never saved are, 40 and 50. Nothing usable verifies in 60 and 70."""
+    _later_steps(tmp_path)
+    skipped: dict[int, Exception] = {}
+    assert latest(tmp_path, enough=_whole_nodes(2), skipped=skipped).step == 20
+    assert sorted(skipped) == [30, 40, 50, 60, 70]
+    assert abandoned_steps(tmp_path, [30, 40, 50, 60, 70], enough=_whole_nodes(2), usable=_whole_nodes(1),
+                           skipped=skipped) == [40, 50]
+    # The same without what `latest` found (each step verified again), and for a resume of one node (nothing later
+    # falls short of it but for damage).
+    assert abandoned_steps(tmp_path, [30, 40, 50, 60, 70], enough=_whole_nodes(2), usable=_whole_nodes(1)) == [40, 50]
+    assert abandoned_steps(tmp_path, [30, 60, 70], enough=_whole_nodes(1), usable=_whole_nodes(1)) == []
+
+
+def test_a_resume_checks_the_checksums_of_the_later_steps_once(tmp_path, monkeypatch) -> None:
+    """`--resume latest` checked every later step's checksums to skip it, then again to tell another timeline's
+    (review, 2026-12-07): minutes more for a large model. Counted by SHA-256 passes over each file."""
+    import collections
+
+    from openprime.ckpt import manifest
+
+    _later_steps(tmp_path)
+    hashed: collections.Counter[pathlib.Path] = collections.Counter()
+    digest = manifest.file_digest
+
+    def counting(path: pathlib.Path) -> str:
+        hashed[path] += 1
+        return digest(path)
+
+    monkeypatch.setattr(manifest, "file_digest", counting)
+    skipped: dict[int, Exception] = {}
+    found = latest(tmp_path, enough=_whole_nodes(2), skipped=skipped)  # what find_checkpoint does
+    later = [s for s in list_steps(tmp_path) if s > found.step]
+    assert abandoned_steps(tmp_path, later, enough=_whole_nodes(2), usable=_whole_nodes(1),
+                           skipped=skipped) == [40, 50]
+    files = {f for s in later for f in step_dir(tmp_path, s).rglob("*") if f.is_file() and f.name != "MANIFEST.json"}
+    assert set(hashed) - files == {f for f in step_dir(tmp_path, 20).rglob("*") if f.is_file()
+                                   and f.name != "MANIFEST.json"}  # and the step resumed
+    assert max(hashed.values()) == 1, {str(f.relative_to(tmp_path)): n for f, n in hashed.items() if n > 1}
+    whole = {f for s in (40, 50) for f in (step_dir(tmp_path, s) / "slot-0").iterdir() if f.name != "MANIFEST.json"}
+    assert whole <= set(hashed)  # each file of a part that verifies was hashed, once
+    hashed.clear()
+    abandoned_steps(tmp_path, later, enough=_whole_nodes(2), usable=_whole_nodes(1))  # without: every one again
+    assert whole <= set(hashed)

@@ -5,7 +5,9 @@ in flight and snapshots never pile up), copies the state to host memory (the blo
 hands the copy to a writer thread that writes it with `openprime.ckpt.store.write_part` and then
 prunes old checkpoints. A failed write (a full disk, a permission error) is logged with its cause and
 counted; the previous checkpoints stay intact and training goes on. A process killed during a write
-leaves only a temporary directory, which the next successful save of that part removes.
+leaves only a temporary directory, which the next successful save of that part removes. A save whose part is in
+place but whose rename the disk did not confirm durable (store.SaveNotDurable) is done, with a warning, and
+prunes nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from openprime.ckpt.config import SaveMode
 from openprime.ckpt.state import snapshot
-from openprime.ckpt.store import Fingerprint, PartsCheck, dcp_cause, prune, write_part
+from openprime.ckpt.store import Fingerprint, PartsCheck, SaveNotDurable, dcp_cause, prune, write_part
 
 log = logging.getLogger("openprime.ckpt")
 
@@ -37,6 +39,7 @@ class SaveResult:
     blocking_s: float
     total_s: float
     error: str = ""
+    warning: str = ""  # a save that is done, but whose durability the disk did not confirm (store.SaveNotDurable)
 
 
 class Checkpointer:
@@ -91,6 +94,15 @@ class Checkpointer:
                start: float, blocking_s: float) -> None:
         try:
             path = write_part(self.root, step, self.part, host, parts=parts, fingerprint=fingerprint)
+        except SaveNotDurable as e:
+            # Complete and in place (a resume uses it): a save done, not failed. Only a power cut could lose it, so
+            # no older checkpoint is pruned on its account; the next confirmed save prunes them.
+            self.results.append(SaveResult(step=step, path=e.path, blocking_s=blocking_s,
+                                           total_s=time.monotonic() - start, warning=str(e.cause)))
+            log.warning("checkpoint of step %d saved to %s, but the disk did not confirm it durable (%s): it is "
+                        "complete and in place, but a power cut might lose it; older checkpoints are kept until a "
+                        "save is confirmed", step, e.path, e.cause)
+            return
         except (Exception, CheckpointException) as e:  # the run must go on; the previous checkpoint is untouched
             cause = dcp_cause(e)
             self.results.append(SaveResult(step=step, path=None, blocking_s=blocking_s,

@@ -12,8 +12,10 @@ Layout of a checkpoint root (a run's `checkpoints/`):
 
 Each part is written to `step-N/.tmp-PART-...` and renamed to `step-N/PART` once its manifest is on
 disk, so a crash mid-save leaves a temporary directory (cleaned up later) and never a part that looks
-complete. Each part names the parts its step needs (the nodes of that outer step); a step is complete
-when all of them are present and verify. A run whose machines save to their own disks holds only some parts
+complete. A save of a part that is already there (a step saved again after a resume from an older one) swaps the
+two in one rename, so that `step-N/PART` holds a complete part, the old or the new, at every instant. Each part
+names the parts its step needs (the nodes of that outer step); a step is complete when all of them are present and
+verify. A run whose machines save to their own disks holds only some parts
 of each step on each machine: `latest(root, enough=...)` then takes the newest step whose parts here verify
 and are enough for the caller (e.g. the nodes that this machine resumes). DCP's tensor files are read with
 `weights_only` and the rest is JSON, but DCP's own `.metadata` is a pickle that torch.distributed.checkpoint
@@ -24,12 +26,16 @@ tampering (whoever can write the files can write the manifest).
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import functools
 import json
 import logging
 import os
 import pathlib
 import re
 import shutil
+import sys
 import uuid
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -62,11 +68,28 @@ class CheckpointNotFound(OpenPrimeError):
 
 
 class IncompleteCheckpoint(CorruptCheckpoint):
-    """A step of which too few parts are here, and verify, for the caller (see verify_step's `enough`)."""
+    """A step of which too few parts are here, and verify, for the caller (see verify_step's `enough`).
 
-    def __init__(self, path: pathlib.Path, reason: str) -> None:
+    `parts`: those that verify; `named`: every part the step names; `damaged`: those that finished saving (renamed
+    into place) but do not verify. What a resume needs to tell a step some nodes never saved (another timeline's)
+    from one damaged on disk, without checking its checksums again (`abandoned_steps`)."""
+
+    def __init__(self, path: pathlib.Path, reason: str, *, parts: Sequence[str] = (), named: Sequence[str] = (),
+                 damaged: Sequence[str] = ()) -> None:
         OpenPrimeError.__init__(self, f"checkpoint {path} is not usable here: {reason}")
         self.path, self.reason = path, reason
+        self.parts, self.named, self.damaged = tuple(parts), tuple(named), tuple(damaged)
+
+
+class SaveNotDurable(OpenPrimeError):
+    """A part that was saved whole and renamed into place, but whose directories' fsync failed after the rename: the
+    part is there and verifies (a resume uses it), but the disk did not confirm that the rename survives a power
+    cut. The save is done; older checkpoints should not be pruned on its account (write_part)."""
+
+    def __init__(self, path: pathlib.Path, cause: OSError) -> None:
+        super().__init__(f"checkpoint {path} is saved, but the disk did not confirm it durable (fsync of its "
+                         f"directory failed: {cause}): a power cut might lose it")
+        self.path, self.cause = path, cause
 
 
 class CheckpointMismatch(ConfigError):
@@ -124,16 +147,22 @@ def write_part(root: pathlib.Path, step: int, part: str, state: Mapping[str, Any
     """Write one part of step `step` atomically; `parts` names every part the step needs. Returns its path.
     `fingerprint`: what the part shares with its siblings, checked when the step is used (verify_step).
 
-    On any error (a full disk, a killed process) the temporary directory is removed when possible and
-    nothing under the final name changes; the error propagates to the caller. A step directory left empty by
-    the failure is removed too, so that it does not read as the run's newest step.
+    On any error before the part is in place (a full disk, a killed process) the temporary directory is removed
+    when possible and nothing under the final name changes; the error propagates to the caller. A step directory
+    left empty by the failure is removed too, so that it does not read as the run's newest step. A part of that name
+    already there (the step saved again, after a resume from an older one) is replaced by `_put_in_place`: a
+    complete part, the old or the new, is under the final name at every instant.
+
+    Once the part is in place, a failure to fsync its directories raises SaveNotDurable (the part stays: it is
+    complete and verifies, but the rename's durability is not confirmed).
     """
     if part not in parts:
         raise ValueError(f"part {part!r} is not among the step's parts {list(parts)}")
     target = step_dir(root, step)
     target.mkdir(parents=True, exist_ok=True)
-    tmp = target / f"{TMP_PREFIX}{part}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = _tmp_name(target, part)
     tensors, skeleton = flatten(state)
+    final = target / part
     try:
         tmp.mkdir(parents=True)  # with its step directory, should another part's failed save have removed it
         with _quiet_dcp():
@@ -147,20 +176,87 @@ def write_part(root: pathlib.Path, step: int, part: str, state: Mapping[str, Any
             os.fsync(f.fileno())
         write_manifest(tmp)
         fsync_path(tmp)
-        final = target / part
-        if final.exists():  # a save of the same step again (after a resume): replace it whole
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        fsync_path(target)
-        # The step directory's own entry too (made by this save or a sibling's): a power cut must not lose it while
-        # a later prune's deletions of older steps survive.
-        fsync_path(root)
-        return final
+        replaced = _put_in_place(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         with contextlib.suppress(OSError):  # not empty: other parts of the step are there or on their way
             target.rmdir()
         raise
+    try:
+        fsync_path(target)
+        # The step directory's own entry too (made by this save or a sibling's): a power cut must not lose it while
+        # a later prune's deletions of older steps survive.
+        fsync_path(root)
+    except OSError as e:
+        # The part is in place and complete: the save is not lost, only its durability unconfirmed. A part it
+        # replaced stays under its temporary name (the part's next prune removes it), as the swap may not be durable.
+        raise SaveNotDurable(final, e) from e
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)  # what is left of it is removed by the part's next prune
+    return final
+
+
+def _tmp_name(target: pathlib.Path, part: str) -> pathlib.Path:
+    """A temporary name for a part of step directory `target`: `.tmp-PART-PID-RANDOM` (writing_pids reads the pid;
+    prune removes a part's leftovers)."""
+    return target / f"{TMP_PREFIX}{part}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _put_in_place(new: pathlib.Path, final: pathlib.Path) -> pathlib.Path | None:
+    """Rename the directory `new` to `final`; returns where the part it replaced now is (None: there was none), for
+    the caller to remove once the rename is durable.
+
+    A part already under `final` is swapped with the new one in one atomic rename (renameat2's RENAME_EXCHANGE), so
+    that a crash at any instant leaves a complete part under `final`, the old or the new: removing it first and
+    then renaming lost the step's part to a crash (or an error) in between. Where the kernel or the filesystem
+    cannot swap (not Linux, NFS), the old part is renamed aside first, and back if the new one's rename fails; a
+    crash between those two renames leaves it aside, under a temporary name of the part, until its next prune.
+    """
+    if not os.path.lexists(final):
+        os.rename(new, final)
+        return None
+    if _exchange(new, final):
+        return new  # `new` now names the old part
+    aside = _tmp_name(final.parent, final.name)
+    os.rename(final, aside)
+    try:
+        os.rename(new, final)
+    except BaseException:
+        os.rename(aside, final)
+        raise
+    return aside
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+@functools.cache
+def _renameat2() -> Callable[..., int] | None:
+    """The C library's renameat2 (Linux, glibc 2.28 and later), or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _exchange(a: pathlib.Path, b: pathlib.Path) -> bool:
+    """Swap the names `a` and `b` in one atomic rename; False where the C library, the kernel or the filesystem
+    cannot (nothing changed then). Other errors raise OSError."""
+    renameat2 = _renameat2()
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
 
 
 def _metadata(path: pathlib.Path) -> dict[str, TensorStorageMetadata]:
@@ -293,10 +389,13 @@ def verify_step(root: pathlib.Path, step: int, *, checksums: bool = True,
             raise CorruptCheckpoint(path, "; ".join(
                 f"part {part} is corrupt: {e.reason}" if isinstance(e, CorruptCheckpoint) else f"part {part}: {e}"
                 for part, e in problems))
+        # Before `enough`: a step that mixes two saves is corrupt whatever the caller needs of it (and an
+        # IncompleteCheckpoint's parts are then one save's, for abandoned_steps).
+        _check_one_save(path, good)
         why = enough(tuple(good), tuple(sorted(named)))
         if why is not None:
-            raise IncompleteCheckpoint(path, why + "".join(f"; {e}" for _, e in problems))
-        _check_one_save(path, good)
+            raise IncompleteCheckpoint(path, why + "".join(f"; {e}" for _, e in problems), parts=tuple(good),
+                                       named=tuple(sorted(named)), damaged=tuple(part for part, _ in problems))
         return Checkpoint(step=step, path=path, parts=tuple(good), verified=checksums)
     verify_manifest(path / present[0], checksums=checksums)
     first = part_info(path / present[0])
@@ -324,15 +423,19 @@ def _say_checking(path: pathlib.Path, parts: Sequence[str]) -> None:
                         total / 1e9, len(parts), total / CHECKSUM_BYTES_PER_S)
 
 
-def latest(root: pathlib.Path, *, checksums: bool = True, enough: PartsCheck | None = None) -> Checkpoint:
+def latest(root: pathlib.Path, *, checksums: bool = True, enough: PartsCheck | None = None,
+           skipped: dict[int, Exception] | None = None) -> Checkpoint:
     """The newest usable, verified step under `root` (see verify_step for `enough`); older ones are tried when
-    newer ones fail (logged)."""
+    newer ones fail (logged). `skipped`, when given, gets why each newer step failed, by step (abandoned_steps reads
+    it: checking their checksums again took as long again)."""
     steps = list_steps(root)
     problems = []
     for step in reversed(steps):
         try:
             found = verify_step(root, step, checksums=checksums, enough=enough)
         except (CorruptCheckpoint, OSError, ValueError, KeyError) as e:
+            if skipped is not None:
+                skipped[step] = e
             problems.append(str(e))
             log.warning("skipping checkpoint step %d: %s; falling back to the previous one", step, e)
             continue
@@ -341,6 +444,35 @@ def latest(root: pathlib.Path, *, checksums: bool = True, enough: PartsCheck | N
         raise CheckpointNotFound(f"no checkpoint under {root} (looked for step-NNNNNNNN directories)")
     raise CheckpointNotFound(f"no usable checkpoint under {root}: {len(steps)} step(s), none complete, intact and "
                              f"enough here: " + "; ".join(problems))
+
+
+def abandoned_steps(root: pathlib.Path, steps: Sequence[int], *, enough: PartsCheck, usable: PartsCheck,
+                    skipped: Mapping[int, Exception] | None = None) -> list[int]:
+    """Of `steps` (after the step a resume took with `latest(root, enough=enough)`), those of another timeline: the
+    parts of them that verify hold what `usable` asks (e.g. one whole node), but the parts that finished saving,
+    damaged or not, would not be `enough`: some of the nodes the resume continues never saved them (a node died and
+    the others saved on without it). A step that falls short only because some of its parts are damaged on disk is
+    this timeline's, and one of which nothing `usable` verifies is none's: both are left to the run's own saves.
+
+    `skipped`: what `latest` found of these steps (its argument of that name), so that their checksums are not checked
+    a second time; a step not in it is verified here, checksums included.
+    """
+    found = []
+    for step in steps:
+        why = (skipped or {}).get(step)
+        if why is None:
+            try:
+                verify_step(root, step, checksums=True, enough=enough)
+                continue  # usable as it is (saved since `latest` looked): no other timeline's
+            except (CorruptCheckpoint, OSError, ValueError, KeyError) as e:
+                why = e
+        if not isinstance(why, IncompleteCheckpoint) or usable(why.parts, why.named) is not None:
+            continue  # corrupt, mixing two saves, or nothing usable verifies: no timeline to keep
+        finished = tuple(sorted((set(why.parts) | set(why.damaged)) & set(why.named)))
+        if enough(finished, why.named) is None:
+            continue  # every node needed saved it: damaged on disk, not another timeline
+        found.append(step)
+    return found
 
 
 def resolve(path: pathlib.Path, *, checksums: bool = True, enough: PartsCheck | None = None) -> Checkpoint:

@@ -337,18 +337,20 @@ class InnerOptimizerState(ExtraState):
             self.adopt_progress(int(meta["steps"]), int(meta["tokens"]))
 
 
-def find_checkpoint(spec: str, cfg: CheckpointConfig, run_dir: pathlib.Path, *, num_nodes: int) -> Checkpoint:
+def find_checkpoint(spec: str, cfg: CheckpointConfig, run_dir: pathlib.Path, *, num_nodes: int,
+                    skipped: dict[int, Exception] | None = None) -> Checkpoint:
     """`--resume latest` (the newest step of the run directory's checkpoints that holds, verified, the parts of
     `num_nodes` nodes: all of them when one disk holds the run's checkpoints, this machine's nodes' when each
     machine saves to its own) or `--resume PATH` (that step, or that root's newest such step). A step named by its
     path may hold fewer nodes than `num_nodes` (one is enough: every node holds the global state after an outer
     step): the nodes past them start without a part and take the state from a peer at the first outer step. After a
     node died, the others went on saving steps without it, and `--resume latest` of a launch of every node goes
-    back to the last step that node saved (the launch's continue line names both)."""
+    back to the last step that node saved (the launch's continue line names both). `skipped`: as `latest`'s, why
+    each newer step of `--resume latest` was not taken."""
     if spec == "latest":
         root = checkpoint_root(cfg, run_dir)
         try:
-            return usable_nodes(latest(root, enough=nodes_here(num_nodes)))
+            return usable_nodes(latest(root, enough=nodes_here(num_nodes), skipped=skipped))
         except CheckpointNotFound as e:
             if num_nodes == 1:
                 raise

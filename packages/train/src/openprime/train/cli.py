@@ -498,18 +498,20 @@ def _resume_from(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path
                  prepared: PreparedData) -> tuple[Checkpoint, list[int]]:
     """The checkpoint that `--resume` names, checked against the nodes asked for, and the later steps of another
     timeline to set aside (`_set_aside`) if the launch goes ahead."""
+    from openprime.ckpt import abandoned_steps
     from openprime.train.checkpointing import (
         checkpoint_root,
         data_layout_changes,
         find_checkpoint,
         model_changes,
-        num_nodes_saved,
+        nodes_here,
         parts_by_node,
     )
 
     if args.resume == "latest" and args.run_dir is None and not cfg.checkpoint.directory:
         raise ConfigError("--resume latest needs the --run-dir of the run to continue")
-    found = find_checkpoint(args.resume, cfg.checkpoint, run_dir, num_nodes=args.nodes)
+    skipped: dict[int, Exception] = {}  # why each later step was not taken (their checksums checked)
+    found = find_checkpoint(args.resume, cfg.checkpoint, run_dir, num_nodes=args.nodes, skipped=skipped)
     root = checkpoint_root(cfg.checkpoint, run_dir)
     later = [step for step in list_steps(root) if step > found.step]
     if args.resume != "latest" and later:
@@ -542,15 +544,17 @@ def _resume_from(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path
               f"start (data.on_layout_change=restart)", flush=True)
     print(f"openprime: resuming from {found.path} ({len(nodes)} nodes"
           f"{f' of {ranks} local ranks' if ranks > 1 else ''}, checksums verified)", flush=True)
-    # Later steps that hold a whole node are another timeline's checkpoints; the others are saves a crash cut short
-    # or damaged on disk, which the run's own saves replace as before. Checksums included: a damaged newest step was
-    # moved aside as another timeline, with the advice to resume from it (found 2026-12-07 by review).
+    # Later steps that hold a whole node that verifies, but that some of this launch's nodes never saved, are another
+    # timeline's checkpoints; the others (saves a crash cut short before any node's finished, steps every node saved
+    # that are damaged on disk since) the run's own saves replace as before. Checksums included: a damaged newest
+    # step was moved aside as another timeline, with the advice to resume from it (found 2026-12-07 by review), and
+    # so was a step with one damaged part of two. What `latest` found of them decides, without checking their
+    # checksums a second time.
     # Only under the run directory this launch holds locked: a checkpoint.directory elsewhere may be another live
     # run's, still writing those steps.
-    other_timeline = [step for step in later if num_nodes_saved(root, step, checksums=True) > 0]
     if args.join or not root.resolve().is_relative_to(run_dir.resolve()):
-        other_timeline = []
-    return found, other_timeline
+        return found, []
+    return found, abandoned_steps(root, later, enough=nodes_here(args.nodes), usable=nodes_here(1), skipped=skipped)
 
 
 def _set_aside(root: pathlib.Path, later: list[int], resumed: int) -> None:
