@@ -249,6 +249,31 @@ def test_a_resume_with_another_batch_size_continues_every_source_where_it_was():
                        num_slots=2, seed=3).load_state_dict(state)
 
 
+def test_a_state_that_does_not_fit_leaves_the_batches_where_they_were():
+    """load_state_dict set each source's position as it checked it: a state whose last source did not fit raised
+    after the first sources had moved, and a node that caught the error and "read its slot from the start" (the
+    trainer's inherited slot state) read the first sources from the saved position and the others from the start."""
+    batches = _synthetic(slot=1, num_slots=2, seed=3)
+    for _ in range(5):
+        next(batches)
+    before = batches.state_dict()
+    for bad in ({**before, "epochs": [7, 7, 7], "positions": [3, 4, 10**6]},  # the last source's is outside
+                {**before, "epochs": [7], "positions": [3]}):  # one source's position for three sources
+        with pytest.raises(ValueError):
+            batches.load_state_dict(bad)
+        assert batches.state_dict() == before
+
+
+def test_a_source_with_fewer_sequences_than_slots_is_refused_in_every_slot():
+    """With 3 sequences and 5 slots, slots 0 to 2 were accepted and only a node given slot 3 or 4 was refused: a run
+    went on until a fourth node joined it (hours later, at an outer step) and that node died at start."""
+    streams = [np.arange(3 * (SEQ_LEN + 1), dtype=np.uint32), np.arange(100 * (SEQ_LEN + 1), dtype=np.uint32)]
+    for slot in range(5):
+        with pytest.raises(ConfigError, match="'small' has 3 sequences of 17 tokens, fewer than the 5 data slots"):
+            MixtureBatches(streams, (1.0, 1.0), seq_len=SEQ_LEN, batch_size=2, slot=slot, num_slots=5, seed=0,
+                           labels=["small", "big"])
+
+
 def test_layout_changes_names_what_moved_the_positions():
     saved = _synthetic(slot=0, num_slots=2).state_dict()
     assert layout_changes(saved, _synthetic(slot=0, num_slots=2, batch_size=3).state_dict()) == {}
@@ -435,6 +460,21 @@ def test_the_command_line_spelling_of_a_mixture():
         WeightedSource(source=Source.KJV, weight=55.0), WeightedSource(source="/data/web/*.jsonl", weight=10.0),
         WeightedSource(source=Source.CPYTHON))
     assert parse_mixture("C:/data/web")[0].source == "C:/data/web"
+
+
+@pytest.mark.parametrize("text", ["kjv:0", "kjv:-1", "kjv:nan", "/data/web/*.jsonl:0"])
+def test_a_bad_weight_in_the_command_line_spelling_is_refused_as_a_weight(text):
+    """"kjv:0" was read as the local path 'kjv:0' with weight 1 (the weight's ConfigError is a ValueError, taken for
+    "the colon belongs to the path"): the run then failed with "kjv:0 does not exist; download the data there"."""
+    with pytest.raises(ConfigError, match="must be a finite number > 0.*leave the source out of the mixture"):
+        parse_mixture(f"{text},cpython")
+
+
+def test_a_source_without_text_says_what_to_do(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ConfigError, match=r"empty.jsonl' holds no text \(every document is empty\); put documents in "
+                                          r"it or leave it out of DataConfig.mixture"):
+        _prepare(tmp_path, WeightedSource(source=str(tmp_path / "empty.jsonl")))
 
 
 # ---------------------------------------------------------------- tools/train_tokenizer.py

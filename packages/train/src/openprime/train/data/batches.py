@@ -71,7 +71,9 @@ class _SourceRows:
                  label: str) -> None:
         self.rows_NS = _rows(tokens, seq_len)
         self.row_ids = np.arange(slot, len(self.rows_NS), num_slots)
-        if len(self.row_ids) == 0:
+        # Refused in every slot, not only in those left without a sequence: else the first nodes run and the node
+        # that is given a later slot (one that joins hours on) is the one refused.
+        if len(self.rows_NS) < num_slots:
             raise ConfigError(f"source {label!r} has {len(self.rows_NS)} sequences of {seq_len + 1} tokens, fewer "
                               f"than the {num_slots} data slots; give it more data (max_chars_per_source) or use "
                               f"shorter sequences or fewer slots (mesh.max_nodes)")
@@ -174,12 +176,19 @@ class MixtureBatches:
             name, (saved, mine) = next(iter(changed.items()))
             raise ValueError(f"MixtureBatches.load_state_dict: saved {name}={saved} but these batches "
                              f"have {name}={mine}; the positions would not match")
-        for source, epoch, position in zip(self.sources, state["epochs"], state["positions"], strict=True):
+        # Everything is checked before anything is set: a caller that catches the error reads the slot from its
+        # start (the trainer, with a position another node reported), which a half-loaded state was not.
+        epochs, positions, batch = list(state["epochs"]), list(state["positions"]), int(state["batch"])
+        if not len(epochs) == len(positions) == len(self.sources):
+            raise ValueError(f"MixtureBatches.load_state_dict: the state holds {len(positions)} positions and "
+                             f"{len(epochs)} epochs for {len(self.sources)} sources")
+        for source, position in zip(self.sources, positions, strict=True):
             if not 0 <= position < len(source.row_ids):
                 raise ValueError(f"MixtureBatches.load_state_dict: position {position} is outside "
                                  f"[0, {len(source.row_ids)})")
+        for source, epoch, position in zip(self.sources, epochs, positions, strict=True):
             source.epoch, source.position = int(epoch), int(position)
-        self.batch = int(state["batch"])
+        self.batch = batch
 
 
 # What a saved position refers to: with any of these changed, the saved positions name other sequences (rows: how

@@ -103,9 +103,13 @@ class WeightedSource:
         spec, sep, weight = text.strip().rpartition(":")
         if sep and spec:
             try:
-                return cls(source=spec, weight=float(weight))
+                value = float(weight)
             except ValueError:
                 pass  # the colon belongs to the path
+            else:
+                # Outside the try: a weight that is a number but not a valid one (0, -1, nan) is refused as a weight.
+                # ConfigError is a ValueError, and "kjv:0" was read as the path 'kjv:0', found missing much later.
+                return cls(source=spec, weight=value)
         return cls(source=text.strip())
 
 

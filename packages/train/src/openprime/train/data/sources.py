@@ -234,7 +234,8 @@ def read_documents(source: WeightedSource | Source, max_chars: int) -> list[str]
             break
     if not taken:
         entry = source if isinstance(source, WeightedSource) else WeightedSource(source=source)
-        raise ConfigError(f"{describe(entry)} holds no text (every document is empty)")
+        raise ConfigError(f"{describe(entry)} holds no text (every document is empty); put documents in it or leave "
+                          f"it out of DataConfig.mixture")
     return taken
 
 
