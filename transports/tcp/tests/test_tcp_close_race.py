@@ -7,8 +7,11 @@ writers gone and raised ZeroDivisionError (`turn % len(writers)`), and the two n
 state crashed; every node after them was refused. The zmq transport already checked its link under the lock.
 """
 
+import socket
+import threading
 import time
 
+import attrs
 import pytest
 import torch
 
@@ -117,8 +120,6 @@ def test_every_connection_probes_its_peer_while_it_idles():
     """A mesh keeps one group per epoch: its connections idle through every inner phase (about 38 minutes in
     INTELLECT-1), longer than NATs keep an idle mapping (an AWS NAT gateway: 350 s). ZeroMQ's sockets kept them with
     keepalive probes; the TCP transport's had none (review of 2026-12-07). Both ends of every connection do now."""
-    import socket
-
     from openprime.core.streams import KEEPALIVE_COUNT, KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S
 
     sender, receiver = _pair("keepalive")
@@ -136,3 +137,82 @@ def test_every_connection_probes_its_peer_while_it_idles():
     finally:
         sender.close()
         receiver.close()
+
+
+def _threads_of_rank(rank: int, among: set[threading.Thread]) -> list[str]:
+    """Names of the live threads of rank `rank`'s transport (tcp-KIND-RANK[-PEER...]) not in `among`."""
+    return sorted(t.name for t in threading.enumerate()
+                  if t not in among and t.name.startswith("tcp-") and t.name.split("-")[2] == str(rank))
+
+
+def _await_no_threads_of_rank(rank: int, among: set[threading.Thread], timeout_s: float) -> list[str]:
+    deadline = time.monotonic() + timeout_s
+    while (alive := _threads_of_rank(rank, among)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return alive
+
+
+def test_a_connection_registered_after_a_close_is_closed_and_not_served():
+    # A peer's connection accepted and authenticated just before a close, and registered just after it: it joined the
+    # incoming connections the close had already closed, and its reader thread served it on, after close() returned,
+    # as long as the peer kept it open (review of 2026-12-07). One connection: with more, the peer's next one is
+    # refused (the listener is closed) and the peer itself closes the first.
+    store = host_store(timeout_s=10)
+    _STORES.append(store)
+    rendezvous = Rendezvous(host="127.0.0.1", port=store.port, group="close-race-register")
+    config = attrs.evolve(CONFIG, num_connections=1)
+    before = set(threading.enumerate())
+    receiver = TcpTransport(rendezvous, 0, 2, config)  # patched before its peer exists, so before it connects
+    register, registered = receiver._register, threading.Event()
+
+    def closed_then_registered(peer, sock, generation):
+        closer = threading.Thread(target=receiver.close, name="closer")
+        closer.start()
+        closer.join(timeout=10)
+        try:
+            register(peer, sock, generation)
+        finally:
+            registered.set()
+
+    receiver._register = closed_then_registered
+    sender = TcpTransport(rendezvous, 1, 2, config)
+    try:
+        assert registered.wait(timeout=10)
+        # Bounded at two connect timeouts: a thread of the transport blocked on a socket gives up within one. Before
+        # the fix the reader served on for as long as the peer kept the connection open: here, past any bound.
+        assert _await_no_threads_of_rank(0, before, timeout_s=2 * CONFIG.connect_timeout_s) == []
+        socks = [s for socks in receiver._in_sockets.values() for s in socks]
+        assert all(s.fileno() == -1 for s in socks), socks
+        # Refused, not registered: a registration after close() also reset the peer's streams in the closed mailbox.
+        assert socks == [] and receiver._in_generation == {}, (socks, receiver._in_generation)
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_close_ends_the_handshake_of_a_client_that_never_finishes_it():
+    # A client that connected and froze (or a port scanner) before it said hello: its reader thread waited for the
+    # hello until the connect timeout, past close() (review of 2026-12-07).
+    store = host_store(timeout_s=10)
+    _STORES.append(store)
+    before = set(threading.enumerate())
+    transport = TcpTransport(Rendezvous(host="127.0.0.1", port=store.port, group="close-handshake"), 0, 2, CONFIG)
+    client = socket.create_connection(transport._listener.getsockname()[:2], timeout=10)
+    try:
+        assert _await_threads_named("tcp-recv-0", before, timeout_s=10)
+        start = time.monotonic()
+        transport.close()
+        assert _await_no_threads_of_rank(0, before, timeout_s=1.0) == []
+        assert time.monotonic() - start < 1.0 < CONFIG.connect_timeout_s
+    finally:
+        client.close()
+        transport.close()
+
+
+def _await_threads_named(name: str, among: set[threading.Thread], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not any(t.name == name and t not in among for t in threading.enumerate()):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True

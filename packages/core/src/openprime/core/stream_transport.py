@@ -12,11 +12,12 @@ each transport's module says how.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -26,7 +27,7 @@ from openprime.core.mailbox import Mailbox, MailboxReceives
 from openprime.core.outbox import ConnectionWriter, deal_message, framed_bytes, now
 from openprime.core.shaping import LinkShaper
 from openprime.core.streams import StreamTransportConfig
-from openprime.core.transport import Handle, Rendezvous, Transport, as_bytes
+from openprime.core.transport import Handle, Rendezvous, Transport, as_bytes, remaining
 
 
 class OutLink:
@@ -103,17 +104,30 @@ class StreamTransport(MailboxReceives, Transport):
         if self._closed.is_set():
             raise PeerFailure(peer, "transport is closed")
         link = self._out[peer]
-        with link.lock:
+        with self._holding(link, peer, deadline):
             if self._closed.is_set():  # closed by another thread since the check above: do not reconnect
                 raise PeerFailure(peer, "transport is closed")
             if not link.usable:
                 self._connect(peer, link, deadline)
         return link
 
+    @staticmethod
+    @contextlib.contextmanager
+    def _holding(link: OutLink, peer: int, deadline: float) -> Iterator[None]:
+        """Hold the link's lock, waiting for it until `deadline` at most: another thread holds it through a whole
+        connect (the background one: up to connect_timeout_s, to a peer that accepts and never answers, e.g. a
+        frozen process), and a send waited that out instead of failing at its own deadline."""
+        if not link.lock.acquire(timeout=remaining(deadline)):
+            raise PeerFailure(peer, "deadline passed while another thread was connecting to the peer")
+        try:
+            yield
+        finally:
+            link.lock.release()
+
     def isend(self, peer: int, tag: int, buffers: Sequence[torch.Tensor], *, deadline: float) -> Handle:
         link = self._connected(peer, deadline)
         views = [as_bytes(b) for b in buffers]
-        with link.lock:
+        with self._holding(link, peer, deadline):
             # Closed since _connected returned (a doomed try's abort, from another thread), or a writer failed. A
             # usable link has its writers: they are dropped and made only together with `broken`, under this lock.
             if not link.usable:

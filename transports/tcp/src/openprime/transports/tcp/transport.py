@@ -20,6 +20,7 @@ import contextlib
 import socket
 import threading
 from collections import defaultdict
+from collections.abc import Iterator
 
 from openprime.core import auth
 from openprime.core.distributed import peer_address
@@ -91,6 +92,7 @@ class TcpTransport(StreamTransport):
         self._lock = threading.Lock()
         self._in_generation: dict[int, tuple[str, int]] = {}
         self._in_sockets: dict[int, list[socket.socket]] = defaultdict(list)
+        self._handshaking: set[socket.socket] = set()  # connections in their handshake, either way: close() ends them
         try:
             self._listener = socket.create_server((config.bind_host, 0), backlog=128)
         except OSError as e:
@@ -135,15 +137,32 @@ class TcpTransport(StreamTransport):
         link.broken = False
 
     def _client_handshake(self, sock: socket.socket, peer: int, conn: int, generation: int) -> None:
-        nonce = auth.new_nonce()
-        sock.sendall(encode_control(auth.hello(self.config.auth, rank=self.rank, to=peer, conn=conn,
-                                               incarnation=self._incarnation, generation=generation, nonce=nonce)))
-        reply = _read_control(sock, f"rank {peer}")
-        proof = auth.client_answer(reply, auth=self.config.auth, secret=self._secret, rank=self.rank, nonce=nonce)
-        if proof is not None:
-            sock.sendall(encode_control(proof))
-            auth.client_answer(_read_control(sock, f"rank {peer}"), auth=self.config.auth, secret=None,
-                               rank=self.rank, nonce=nonce)
+        with self._in_handshake(sock):
+            nonce = auth.new_nonce()
+            sock.sendall(encode_control(auth.hello(self.config.auth, rank=self.rank, to=peer, conn=conn,
+                                                   incarnation=self._incarnation, generation=generation, nonce=nonce)))
+            reply = _read_control(sock, f"rank {peer}")
+            proof = auth.client_answer(reply, auth=self.config.auth, secret=self._secret, rank=self.rank, nonce=nonce)
+            if proof is not None:
+                sock.sendall(encode_control(proof))
+                auth.client_answer(_read_control(sock, f"rank {peer}"), auth=self.config.auth, secret=None,
+                                   rank=self.rank, nonce=nonce)
+
+    @contextlib.contextmanager
+    def _in_handshake(self, sock: socket.socket) -> Iterator[None]:
+        """Track `sock` while its handshake runs, so that close() can end it: a peer that froze after it accepted our
+        connection (or after it connected to us) never answers, and the handshake's read waited for it until the
+        connect timeout, past close(): on our connection holding the link's lock, which close() takes; on theirs, a
+        reader thread and its socket."""
+        with self._lock:
+            if self._closed.is_set():
+                raise ConnectionError("transport is closed")
+            self._handshaking.add(sock)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._handshaking.discard(sock)
 
     @staticmethod
     def _writer_for(sock: socket.socket):
@@ -214,21 +233,26 @@ class TcpTransport(StreamTransport):
             _close(sock)
 
     def _server_handshake(self, sock: socket.socket, addr: str) -> int:
-        msg = _read_control(sock, addr)
-        reply, server_nonce = auth.server_reply(msg, auth=self.config.auth, secret=self._secret,
-                                                my_rank=self.rank, world_size=self.world_size)
-        peer = msg["rank"]
-        if server_nonce is not None:
+        with self._in_handshake(sock):
+            msg = _read_control(sock, addr)
+            reply, server_nonce = auth.server_reply(msg, auth=self.config.auth, secret=self._secret,
+                                                    my_rank=self.rank, world_size=self.world_size)
+            peer = msg["rank"]
+            if server_nonce is not None:
+                sock.sendall(encode_control(reply))
+                auth.server_check(_read_control(sock, addr), auth=self.config.auth, secret=self._secret,
+                                  client_rank=peer, server_nonce=server_nonce)
+                reply = {"op": "ok"}
+            self._register(peer, sock, (msg["incarnation"], msg["generation"]))
             sock.sendall(encode_control(reply))
-            auth.server_check(_read_control(sock, addr), auth=self.config.auth, secret=self._secret,
-                              client_rank=peer, server_nonce=server_nonce)
-            reply = {"op": "ok"}
-        self._register(peer, sock, (msg["incarnation"], msg["generation"]))
-        sock.sendall(encode_control(reply))
         return peer
 
     def _register(self, peer: int, sock: socket.socket, generation: tuple[str, int]) -> None:
         with self._lock:
+            if self._closed.is_set():
+                # Accepted before close() and registered after it: close() already closed the connections it knew of,
+                # and this one's reader would serve it on after close() returned.
+                raise ConnectionError("transport is closed")
             previous = self._in_generation.get(peer)
             if previous != generation:
                 self._in_generation[peer] = generation
@@ -283,7 +307,14 @@ class TcpTransport(StreamTransport):
         if self._closed.is_set():
             return
         self._closed.set()
+        # Waiting receives fail now, not after the writers below had their time to drain (0.5 s each, stuck on a
+        # peer that does not read).
+        self._mailbox.fail_all("transport is closed")
         _close(self._listener)
+        with self._lock:
+            for sock in self._handshaking:  # wakes its reader, which closes it (and releases the link it connects)
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
         for link in self._out.values():
             with link.lock:
                 self._drop(link, goodbye=True)
@@ -291,7 +322,6 @@ class TcpTransport(StreamTransport):
             for socks in self._in_sockets.values():
                 for sock in socks:
                     _close(sock)
-        self._mailbox.fail_all("transport is closed")
 
 
 def _discard(sock: socket.socket, n: int) -> None:

@@ -309,12 +309,14 @@ class ZmqTransport(StreamTransport):
             if self._closed.is_set():
                 return
             self._closed.set()
+        # Waiting receives fail now, not after the sends below had DRAIN_S to leave (a peer that does not read holds
+        # them that long). The receiver thread may go on delivering until it stops: into no receive, once they failed.
+        self._mailbox.fail_all("transport is closed")
         drain_deadline = now() + DRAIN_S
         for link in self._out.values():
             with link.lock:
                 self._drop(link, drain_deadline=drain_deadline, goodbye=True)
         clean = self._receiver.stop(timeout_s=2.0)
-        self._mailbox.fail_all("transport is closed")
         if clean:
             _terminate(self._ctx, timeout_s=BYE_LINGER_MS / 1000 + 1.0)
         else:
