@@ -221,3 +221,74 @@ def test_a_node_left_out_of_a_resume_brings_no_old_hash_back_when_it_joins_later
     summary = summarize_records(first + resumed)
     assert summary.hashes == {1: {0: "a1", 1: "a1", 2: "a1"}, 2: {0: "b2", 1: "b2"}, 3: {0: "b3", 1: "b3"},
                               4: {0: "b4", 1: "b4", 2: "b4"}}
+
+
+def test_the_checkpoints_and_evaluations_of_an_abandoned_timeline_go_with_it():
+    # Trained to step 6 (H = 2) with checkpoints at 2, 4, 6 and evaluations at 4 and 6; steps 4 and 6 were moved
+    # aside and the run resumed from step 2, stopping at step 4 (train.stop_after_outer_steps=2), saved. The
+    # abandoned step 6's "checkpoint" record counted as the run's last: the launch ended with "error: the run's
+    # last checkpoint, of step 6, did not finish saving" (exit 1), and status said the same, and showed the
+    # abandoned timeline's validation loss of step 6 (found by review, reproduced with `openprime run`).
+    def ckpt(node, k):
+        return {"kind": "checkpoint", "node": node, "step": k}
+
+    def evaluation(node, k, val_loss):
+        return {"kind": "eval", "node": node, "step": k, "val_loss": val_loss}
+
+    first = [r for o in (1, 2, 3) for n in (0, 1)
+             for r in (_step(n, 2 * o - 1), _step(n, 2 * o), _outer(n, o, f"a{o}"), ckpt(n, 2 * o),
+                       *([evaluation(n, 2 * o, 10.0 + o)] if o > 1 else []))]
+    resumed = [_step(0, 3), _step(1, 3), _step(0, 4), _step(1, 4), _outer(0, 2, "b2"), _outer(1, 2, "b2"),
+               ckpt(0, 4), ckpt(1, 4), evaluation(0, 4, 5.0)]
+    summary = summarize_records(first + resumed)
+    assert summary.last_checkpoint_step == 4 and summary.checkpoint_steps == [2, 4]
+    assert summary.val_loss == (4, 5.0)
+    # Still resumed before it wrote its own: the checkpoint of step 2 it resumed from, no evaluation yet.
+    summary = summarize_records(first + resumed[:2])
+    assert summary.last_checkpoint_step == 2 and summary.val_loss is None
+    # A save of this timeline that did not finish is still the last: what the launch's end reports.
+    assert summarize_records(first + resumed + [ckpt(0, 6)]).last_checkpoint_step == 6
+
+
+def test_a_record_that_is_valid_json_but_not_a_record_is_skipped(tmp_path, caplog):
+    # A hand-edited or damaged metrics file: `null`, a number, an object without "kind". The summary (the
+    # launch's end) and `openprime status` failed with a traceback (TypeError: 'NoneType' object is not subscriptable).
+    whole = json.dumps({"kind": "step", "node": 0, "time": 1.0, "step": 1, "loss": 2.0})
+    (tmp_path / METRICS_FILE).write_text(f'{whole}\nnull\n7\n["step"]\n{{"step": 2}}\n{whole.replace("1,", "3,")}\n')
+    with caplog.at_level("WARNING", logger="openprime.train.metrics"):
+        records = read_records(tmp_path)
+        assert [r["step"] for r in records] == [1, 3]
+        assert [r["step"] for r in MetricsTail(tmp_path).poll()] == [1, 3]
+    assert summarize_records(records).losses == {0: [2.0, 2.0]}
+    assert caplog.text.count("skipping a line that is not a whole record") == 2 * 4  # each reader, each line
+
+
+def test_readers_skip_bytes_that_are_not_text(tmp_path):
+    # A crash can leave garbage at a file's end: read_records raised UnicodeDecodeError, and status could not read
+    # the run at all ("'utf-8' codec can't decode byte 0xff"), where MetricsTail skipped the line.
+    whole = json.dumps({"kind": "step", "node": 0, "step": 1})
+    (tmp_path / METRICS_FILE).write_bytes(whole.encode() + b"\n\xff\xfe\x00garbage\n")
+    assert [r["step"] for r in read_records(tmp_path)] == [1]
+
+
+def test_a_whole_record_written_after_a_short_write_is_read(tmp_path, monkeypatch):
+    # A write cut short by a full disk leaves a line without its newline: the next record any node appends, whole,
+    # lands on that line, and the readers skipped it with the torn one (an "end" or an outer step's hash lost).
+    import os
+
+    from openprime.train import metrics
+
+    writer, other = MetricsWriter(tmp_path, node=0), MetricsWriter(tmp_path, node=1)
+    writer.write("step", step=1, loss=2.0)
+    write = os.write
+    monkeypatch.setattr(metrics.os, "write", lambda fd, data: write(fd, data[:20]))  # the disk fills mid-record
+    writer.write("step", step=2, loss=1.9)
+    monkeypatch.setattr(metrics.os, "write", write)  # room again
+    other.write("outer", step=2, outer_step=1, state_hash="aa", bytes_sent=1)
+    writer.write("step", step=3, loss=1.8)
+    writer.close()
+    other.close()
+    want = [("step", 1), ("outer", 2), ("step", 3)]
+    assert [(r["kind"], r["step"]) for r in read_records(tmp_path)] == want
+    assert [(r["kind"], r["step"]) for r in MetricsTail(tmp_path).poll()] == want
+    assert [r["node"] for r in metrics.records_of_kind(tmp_path, "outer")] == [1]

@@ -112,3 +112,34 @@ def test_status_names_the_launches_joined_to_a_coordinator_that_share_the_direct
         out = capsys.readouterr().out
         assert f": running here (pid {os.getpid()}, joined to a coordinator: " in out, out
     assert run_status(run_dir).launch is None  # released
+
+
+def test_status_after_a_resume_from_an_older_step_shows_the_resumed_timeline_s_saves(tmp_path, capsys):
+    """Trained to step 40 (H = 10), saving and evaluating every outer step; steps 30 and 40 moved aside, resumed from
+    step 20 and stopped at step 30, saved. Status said "the saves of step(s) [40] did not finish" and showed the
+    abandoned timeline's validation loss of step 40 (and the launch's end failed: test_metrics.py)."""
+    run_dir = tmp_path / "run"
+    cfg = recipe_config(DEBUG, ["schedule.num_warmup_steps=5", "schedule.num_decay_steps=10", "train.num_steps=40",
+                               "diloco.num_inner_steps=10"])
+    write_run_files(run_dir, cfg, recipe=DEBUG, recipe_files=[DEBUG], overrides=[], num_nodes=1)
+
+    def train(steps, tag):
+        for step in steps:
+            yield {"kind": "step", "node": 0, "time": 1000.0 + step, "step": step, "loss": 8.0 - 0.1 * step}
+            if step % 10 == 0:
+                yield {"kind": "outer", "node": 0, "time": 1000.0, "step": step, "outer_step": step // 10,
+                       "state_hash": tag, "skipped": False, "bytes_sent": 0}
+                yield {"kind": "checkpoint", "node": 0, "time": 1000.0, "step": step}
+                yield {"kind": "eval", "node": 0, "time": 1000.0, "step": step, "val_loss": 9.0 - step / 10}
+
+    records = [*train(range(1, 41), "a"), {"kind": "start", "node": 0, "time": 1100.0, "step": 20},
+               *train(range(21, 31), "b"), {"kind": "end", "node": 0, "time": 1200.0}]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    for step in (10, 20, 30):
+        write_part(run_dir / "checkpoints", step, "slot-0", {"w": torch.zeros(3)}, parts=["slot-0"])
+    s = run_status(run_dir, now=1300.0)
+    assert (s.outer_step, s.saved, s.unfinished, s.val_loss) == (3, 30, [], (30, 6.0))
+    assert [(n.step, n.ended) for n in s.nodes] == [(30, True)]
+    assert cli.main(["status", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert out.endswith("  validation loss 6.0000 at step 30\n  checkpoints: newest step 30\n"), out

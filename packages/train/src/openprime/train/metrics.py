@@ -184,7 +184,13 @@ class RunSummary:
     hashes: dict[int, dict[int, str]]  # outer step -> node -> hash of the global state
     bytes_sent: dict[int, int]  # node -> bytes sent in all outer steps
     num_skipped: dict[int, int] = attrs.field(factory=dict)  # node -> inner steps skipped for a NaN/inf gradient
-    last_checkpoint_step: int | None = None  # the newest step any node started to checkpoint
+    checkpoint_steps: list[int] = attrs.field(factory=list)  # the steps any node started to checkpoint, oldest first
+    val_loss: tuple[int, float] | None = None  # (step, validation loss) of the newest evaluation
+
+    @property
+    def last_checkpoint_step(self) -> int | None:
+        """The newest step any node started to checkpoint."""
+        return self.checkpoint_steps[-1] if self.checkpoint_steps else None
 
     @property
     def num_outer_steps(self) -> int:
@@ -225,22 +231,41 @@ class MetricsTail:
         return new
 
 
-def _parse(lines: list[str] | list[bytes], path: pathlib.Path) -> list[dict[str, Any]]:
-    """The records of whole lines; a line that is not one (a write cut short by a full disk) is skipped, logged."""
+_RECORD_START = b'{"kind": '  # how MetricsWriter begins every record (json.dumps escapes the quotes inside values)
+
+
+def _parse(lines: list[bytes], path: pathlib.Path) -> list[dict[str, Any]]:
+    """The records of whole lines; a line that is not one (a write cut short by a full disk) is skipped, logged.
+
+    A write cut short leaves no newline, so the next record any node appends lands on the same line: that record,
+    whole, is read from where it begins (before, it was skipped with the torn one: an "end" or an outer step's hash
+    lost). A line that is JSON but not a record (`null`, an object without "kind": a damaged or
+    hand-edited file) is skipped too: the summary and status failed on it with a TypeError or KeyError."""
     records = []
     for line in lines:
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
-        except ValueError:
-            log.warning("%s: skipping a line that is not a whole record (a write cut short?): %.80r", path, line)
+            record = json.loads(line)
+        except ValueError:  # UnicodeDecodeError too: garbage bytes
+            start = line.rfind(_RECORD_START)
+            try:
+                record = json.loads(line[start:]) if start > 0 else None
+            except ValueError:
+                record = None
+        if isinstance(record, dict) and "kind" in record:
+            records.append(record)
+        else:
+            log.warning("%s: skipping a line that is not a whole record (a write cut short?): %.80r", path,
+                        line.decode(errors="backslashreplace"))
     return records
 
 
 def read_records(run_dir: pathlib.Path) -> list[dict[str, Any]]:
     path = run_dir / METRICS_FILE
-    return _parse(path.read_text().splitlines(), path)
+    # Bytes, as MetricsTail reads: a line of bytes that are not UTF-8 (garbage a crash left) is skipped, where
+    # read_text() raised UnicodeDecodeError and `openprime status` could not read the run at all.
+    return _parse(path.read_bytes().splitlines(), path)
 
 
 def records_of_kind(run_dir: pathlib.Path, kind: str) -> Iterator[dict[str, Any]]:
@@ -283,14 +308,17 @@ def summarize_records(records: list[dict[str, Any]]) -> RunSummary:
     resume: tuple[int, int] | None = None  # (record index, step) of the first restart of the latest resume
     last_record: dict[int, int] = {}  # node -> the index of its latest step or outer record
     nodes = set()
-    last_checkpoint_step = None
+    checkpoint_steps: set[int] = set()
+    val_losses: dict[int, float] = {}  # step -> validation loss
     for i, r in enumerate(records):
         nodes.add(r["node"])
         before = last_record.get(r["node"], -1)
         if r["kind"] in ("step", "outer"):  # what a node writes as it trains (a resumed one writes "start" first)
             last_record[r["node"]] = i
         if r["kind"] == "checkpoint":
-            last_checkpoint_step = max(r["step"], last_checkpoint_step or 0)
+            checkpoint_steps.add(r["step"])
+        elif r["kind"] == "eval":
+            val_losses[r["step"]] = r["val_loss"]
         if r["kind"] == "step":
             mine, k = step_losses[r["node"]], r["step"]
             if mine and k <= next(reversed(mine)):  # kept in step order: the last is the highest
@@ -303,6 +331,12 @@ def summarize_records(records: list[dict[str, Any]]) -> RunSummary:
                     for outer_step in [o for o, at in hash_at.items() if at >= k]:
                         del hash_at[outer_step]
                         hashes.pop(outer_step, None)
+                    # The abandoned timeline's saves and evaluations from that step on go with it too: its last
+                    # checkpoint record, past where the resumed launch stopped, ended that launch in "the run's
+                    # last checkpoint, of step N, did not finish saving" (exit 1), and status named that save
+                    # unfinished and showed that timeline's validation loss.
+                    checkpoint_steps = {s for s in checkpoint_steps if s < k}
+                    val_losses = {s: v for s, v in val_losses.items() if s < k}
             mine[k] = r["loss"]
             step_skipped[r["node"]][k] = bool(r.get("skipped"))
         elif r["kind"] == "outer":
@@ -313,6 +347,8 @@ def summarize_records(records: list[dict[str, Any]]) -> RunSummary:
                     hash_at[r["outer_step"]] = r["step"]
     losses = {node: list(by_step.values()) for node, by_step in step_losses.items()}
     skipped = {node: sum(by_step.values()) for node, by_step in step_skipped.items()}
+    newest_eval = max(val_losses, default=None)
     return RunSummary(num_nodes=len(nodes), losses=losses, hashes=dict(hashes), bytes_sent=dict(sent),
                       num_skipped={node: k for node, k in skipped.items() if k},
-                      last_checkpoint_step=last_checkpoint_step)
+                      checkpoint_steps=sorted(checkpoint_steps),
+                      val_loss=(newest_eval, val_losses[newest_eval]) if newest_eval is not None else None)

@@ -59,8 +59,7 @@ def run_status(run_dir: pathlib.Path, *, now: float | None = None) -> RunStatus:
     summary = summarize_records(records)
     last: dict[int, dict[str, Any]] = {}
     last_step: dict[int, dict[str, Any]] = {}
-    ended, attempted = set(), set()
-    val_loss = None
+    ended = set()
     for r in records:
         node = r["node"]
         last[node] = r
@@ -70,10 +69,6 @@ def run_status(run_dir: pathlib.Path, *, now: float | None = None) -> RunStatus:
             ended.add(node)
         elif r["kind"] == "start":
             ended.discard(node)
-        elif r["kind"] == "eval":
-            val_loss = (r["step"], r["val_loss"])
-        elif r["kind"] == "checkpoint":
-            attempted.add(r["step"])
     nodes = [NodeStatus(node=node, step=last_step[node]["step"] if node in last_step else 0,
                         loss=last_step[node]["loss"] if node in last_step else float("nan"),
                         seconds_ago=now - r["time"], ended=node in ended,
@@ -87,8 +82,11 @@ def run_status(run_dir: pathlib.Path, *, now: float | None = None) -> RunStatus:
                      launch=lock_holders(run_dir / LOCK_NAME),
                      nodes=nodes, outer_step=newest, members=len(outer[newest]) if newest is not None else None,
                      hashes_agree=len(set(outer[newest].values())) == 1 if newest is not None else None,
-                     val_loss=val_loss, saved=saved,
-                     unfinished=sorted(s for s in attempted.union(list_steps(root)) if saved is None or s > saved))
+                     # The summary's, not every record's: those of a timeline that a resume from an older step
+                     # abandoned named its later saves unfinished and showed its validation loss.
+                     val_loss=summary.val_loss, saved=saved,
+                     unfinished=sorted(s for s in set(summary.checkpoint_steps).union(list_steps(root))
+                                       if saved is None or s > saved))
 
 
 def _ago(seconds: float) -> str:
