@@ -58,6 +58,52 @@ def test_an_error_in_a_recipe_shows_the_recipes_lines_only(capsys, tmp_path):
     assert "cli.py" not in err and "importlib" not in err
 
 
+@pytest.mark.parametrize("body", ["import sys\nsys.exit(3)\n",
+                                  "raise SystemExit\n",
+                                  "import sys\ndef config():\n    sys.exit('no config today')\n"])
+def test_a_recipe_that_exits_is_a_clear_error(capsys, tmp_path, body):
+    # Before: SystemExit is no Exception, and the command ended with the recipe's exit code and no word of why
+    # (or with argparse's usage of a recipe written as a script) (found 2026-12-07 by review).
+    (tmp_path / "script.py").write_text(body)
+    err = _fails(capsys, tmp_path, str(tmp_path / "script.py"))
+    assert f"openprime: error: recipe {tmp_path / 'script.py'} exited (sys.exit(" in err, err
+    assert 'put script code under `if __name__ == "__main__":`' in err, err
+
+
+@pytest.mark.parametrize(("setting", "expected"), [
+    ("diloco=3", "unknown config key 'diloco': it is a section, not one setting; --set one of its keys, e.g. "
+                 "--set diloco.num_inner_steps=VALUE"),
+    ("transport.options=x", "unknown config key 'transport.options': it is a section"),
+    ("data.mixture=kjv", "data.mixture holds WeightedSource values, which --set cannot write: change it in the "
+                         "recipe"),
+    ("name=", "name '' cannot start a run directory's name: give a non-empty name without '/'"),
+    ("name=../elsewhere", "name '../elsewhere' cannot start a run directory's name"),
+])
+def test_a_setting_that_set_cannot_write_says_what_to_do(capsys, tmp_path, setting, expected):
+    # Before: "unknown config key 'diloco'" with no suggestion; "fields of type <class '...WeightedSource'> cannot
+    # be set"; an empty name made runs/-TIMESTAMP, and "../x" a run directory outside runs/ (2026-12-07 review).
+    err = _fails(capsys, tmp_path, DEBUG, "--dry-run", "--set", setting)
+    assert expected in err, err
+
+
+def test_a_site_file_that_cannot_be_read_is_a_clear_error(capsys, tmp_path):
+    # Before: IsADirectoryError / UnicodeDecodeError tracebacks out of the command (found 2026-12-07 by review).
+    (tmp_path / "sites").mkdir()
+    err = _fails(capsys, tmp_path, DEBUG, "--network", str(tmp_path / "sites"))
+    assert f"cannot read the site file {tmp_path / 'sites'}: Is a directory; give --network the path of a TOML " \
+           f"file" in err, err
+    (tmp_path / "site.bin").write_bytes(b"kind = \xff\xfe\n")
+    err = _fails(capsys, tmp_path, DEBUG, "--network", str(tmp_path / "site.bin"))
+    assert f"site file {tmp_path / 'site.bin'} is not text (not UTF-8)" in err, err
+
+
+@pytest.mark.parametrize("gpus", ["0", "-1"])
+def test_plan_names_gpus_per_node_not_the_field_it_sets(capsys, gpus):
+    # Before: "FSDPConfig.num_local_ranks must be >= 1", a setting the command line did not name (2026-12-07 review).
+    assert main(["plan", DEBUG, "--nodes", "2", "--bandwidth", "1gbit", "--gpus-per-node", gpus]) == 2
+    assert capsys.readouterr().err == f"openprime: error: --gpus-per-node must be >= 1, got {gpus}\n"
+
+
 def test_unknown_key_lists_valid_keys(capsys, tmp_path):
     err = _fails(capsys, tmp_path, DEBUG, "--set", "diloco.inner_stepz=3")
     assert "unknown config key 'diloco.inner_stepz' (did you mean 'diloco.num_inner_steps'" in err

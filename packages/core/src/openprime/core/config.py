@@ -224,7 +224,9 @@ def _parse(raw: str, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected {tp.__name__}, got {raw!r}") from None
     if tp in (str, pathlib.Path):
         return tp(raw)
-    raise ConfigError(f"{key}: fields of type {tp} cannot be set from the command line")
+    # Said with the fix: "fields of type <class '...WeightedSource'> cannot be set" named a class and no way out.
+    raise ConfigError(f"{key} holds {getattr(tp, '__name__', tp)} values, which --set cannot write: change it in "
+                      f"the recipe")
 
 
 def override(cfg: T, key: str, raw: str) -> T:
@@ -233,6 +235,11 @@ def override(cfg: T, key: str, raw: str) -> T:
     Raises ConfigError naming the key; an unknown key lists the valid ones.
     """
     valid = config_keys(cfg)
+    section = [k for k in valid if k.startswith(f"{key}.")]
+    if section:  # `--set diloco=...`, `--set model=debug`: a whole section was "unknown", with no suggestion
+        # (found 2026-12-07 by review); say that it is a section and list its keys
+        raise ConfigError(f"unknown config key {key!r}: it is a section, not one setting; --set one of its keys, e.g. "
+                          f"--set {section[0]}=VALUE; its keys are: {', '.join(section)}")
     if key not in valid:
         listing = "\n  ".join(valid)
         close = difflib.get_close_matches(key, valid, n=3, cutoff=0.6)  # first, for a typo: the list is long

@@ -106,6 +106,10 @@ def print_plan(args: argparse.Namespace) -> int:
     from openprime.train import planner
 
     try:
+        # Said here, as the flag: planner.with_node's check named FSDPConfig.num_local_ranks, which the user had not
+        # set (found 2026-12-07 by review).
+        if args.gpus_per_node is not None and args.gpus_per_node < 1:
+            raise ConfigError(f"--gpus-per-node must be >= 1, got {args.gpus_per_node}")
         cfg = recipe_config(args.recipe, args.overrides)
         mfu = planner.NO_COMM_MFU if args.mfu is None else args.mfu
         plan = planner.plan_run(cfg, num_nodes=args.nodes, bandwidth_bps=planner.parse_bandwidth(args.bandwidth),
@@ -134,6 +138,20 @@ def print_status(args: argparse.Namespace) -> int:
     except (OpenPrimeError, OSError, ValueError, KeyError) as e:
         return _error(f"cannot read the run in {args.run_dir}: {e}")
     return 0
+
+
+def _site_file_overrides(path: pathlib.Path) -> list[str]:
+    """site_overrides(path), an unreadable site file a ConfigError: `--network` given a directory, a file this user
+    may not read or one that is not text was a Python traceback (IsADirectoryError, PermissionError,
+    UnicodeDecodeError) out of the command (found 2026-12-07 by review)."""
+    try:
+        return site_overrides(path)
+    except OSError as e:
+        raise ConfigError(f"cannot read the site file {path}: {e.strerror or e}; give --network the path of a "
+                          f"TOML file (e.g. site.toml)") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"site file {path} is not text (not UTF-8); give --network the path of a TOML file "
+                          f"(e.g. site.toml)") from None
 
 
 def _error(message: str) -> int:
@@ -318,7 +336,7 @@ def _main(argv: list[str] | None) -> int:
             raise ConfigError(f"--nodes must be >= 1, got {args.nodes}")
         if args.join:
             check_join_address(args.join)
-        overrides = site_overrides(args.network) if args.network else []
+        overrides = _site_file_overrides(args.network) if args.network else []
         if args.transport:
             overrides.append(f"transport.kind={args.transport}")
         overrides += args.overrides

@@ -160,6 +160,11 @@ class RunConfig:
                              validator=instance_of(FSDPConfig))
 
     def __attrs_post_init__(self) -> None:
+        # The default run directory is runs/NAME-TIMESTAMP: an empty name made runs/-TIMESTAMP, and a "/" in it
+        # made directories below runs/ or, with "..", outside it (found 2026-12-07 by review).
+        if not self.name.strip() or "/" in self.name or "\\" in self.name or "\0" in self.name:
+            raise ConfigError(f"name {self.name!r} cannot start a run directory's name: give a non-empty name "
+                              f"without '/' (e.g. --set name=my-run)")
         if self.data.vocab_size != self.model.vocab_size:
             raise ConfigError(
                 f"data.vocab_size {self.data.vocab_size} differs from model.vocab_size {self.model.vocab_size}; "

@@ -57,6 +57,10 @@ def _recipe_code(path: str | pathlib.Path, run: Callable[[], T]) -> T:
         return run()
     except ConfigError:
         raise
+    except SystemExit as e:  # not an Exception: a recipe that exits (a script's argparse, sys.exit) ended the
+        # command silently with its code, or with argparse's usage of the recipe (found 2026-12-07 by review)
+        raise ConfigError(f"recipe {path} exited (sys.exit({e.code!r})) instead of giving its config: a recipe "
+                          f"only defines config(); put script code under `if __name__ == \"__main__\":`") from None
     except Exception as e:
         error = traceback.TracebackException.from_exception(e)
         recipes = {str(p) for p in _loaded}
