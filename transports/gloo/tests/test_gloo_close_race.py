@@ -38,3 +38,27 @@ def test_a_call_overtaken_by_a_close_from_another_thread_raises_peer_failure(op)
     finally:
         first.close()
         second.close()
+
+
+def test_a_store_that_never_answers_fails_the_build_without_killing_its_thread(monkeypatch):
+    # connect_store raises PeerFailure once a store that accepted the connection has not answered within its bound;
+    # the build thread caught only RuntimeError, so it died with a traceback on stderr (seen as pytest's
+    # PytestUnhandledThreadExceptionWarning in a CI log) and the failure's reason was lost.
+    import socket
+    import threading
+
+    uncaught = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: uncaught.append(args.exc_value))
+    silent = socket.create_server(("127.0.0.1", 0))  # the kernel accepts into the backlog; nothing answers
+    before = set(threading.enumerate())
+    transport = create_gloo_transport(Rendezvous(host="127.0.0.1", port=silent.getsockname()[1], group="silent"),
+                                      0, 2, GlooTransportConfig(connect_timeout_s=0.5))
+    try:
+        (build,) = [t for t in threading.enumerate() if t not in before and t.name.startswith("openprime-gloo-build")]
+        build.join(timeout=10)  # connect_store's bound: connect_timeout_s and a second
+        assert not build.is_alive()
+        assert uncaught == []
+        assert "the rendezvous store did not answer" in transport._build_error
+    finally:
+        transport.close()
+        silent.close()

@@ -117,6 +117,9 @@ class GlooTransport(Transport):
             store = connect_store(rendezvous, self.config.connect_timeout_s, suffix="/gloo")
             pg = gloo_group(store, self.rank, self.world_size, timeout_s=self.config.connect_timeout_s,
                             host=self.config.hostname)
+        except PeerFailure as e:  # connect_store's bound: a store that accepts and never answers (found 2026-12-07:
+            # uncaught, it ended this thread with a traceback on the node's stderr)
+            self._build_error = e.reason
         except RuntimeError as e:  # Gloo's errors, and the store's (DistStoreError is a RuntimeError)
             self._build_error = _first_line(e)
         else:
