@@ -17,16 +17,11 @@ import torch
 
 from openprime.core.distributed import peer_address, store_client
 from openprime.core.errors import PeerFailure
+from openprime.core.harness import await_stopped
 from openprime.core.transport import Rendezvous
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGSTOP") or not os.path.exists("/proc/self/stat"),
                                 reason="needs SIGSTOP and /proc")
-
-
-def _state(pid: int) -> str:
-    """The process's state letter in /proc (T: stopped)."""
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0]
 
 
 @pytest.fixture
@@ -41,10 +36,7 @@ def store():
         # SIGSTOP takes effect once the process is scheduled: until then (a loaded machine) its store still answers,
         # and a test's first request went through (a CI run's "DID NOT RAISE", 2026-12-07). Wait for the stop.
         os.kill(server.pid, signal.SIGSTOP)
-        deadline = time.monotonic() + 10
-        while _state(server.pid) != "T":
-            assert time.monotonic() < deadline, f"the store's process did not stop ({_state(server.pid)})"
-            time.sleep(0.005)
+        await_stopped(server.pid, "the store's process")
 
     try:
         yield int(server.stdout.readline()), freeze

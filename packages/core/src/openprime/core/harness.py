@@ -226,6 +226,21 @@ class ForwardingTransport(Transport):
         self.inner.close()
 
 
+def await_stopped(pid: int, what: str, timeout_s: float = 10.0) -> None:
+    """Wait until process `pid` is stopped (state T in /proc): SIGSTOP takes effect once the process is scheduled,
+    and until then (a loaded machine) it still answers."""
+    deadline = time.monotonic() + timeout_s
+    while (state := _process_state(pid)) != "T":
+        assert time.monotonic() < deadline, f"{what} did not stop ({state})"
+        time.sleep(0.005)
+
+
+def _process_state(pid: int) -> str:
+    """The process's state letter in /proc, after "(comm)", which may hold spaces."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
 def local_group(world_size: int) -> list[LocalTransport]:
     """`world_size` LocalTransports that talk to each other through in-memory queues."""
     hub = _Hub()

@@ -26,7 +26,7 @@ from openprime.core.auth import AuthConfig
 from openprime.core.collectives import all_gather_object, ring_all_reduce
 from openprime.core.distributed import connect_store, gloo_group, host_store
 from openprime.core.errors import ConfigError, PeerFailure
-from openprime.core.harness import KILLED, GroupContext, run_group
+from openprime.core.harness import KILLED, GroupContext, await_stopped, run_group
 from openprime.core.shaping import LinkShaping
 from openprime.core.streams import StreamTransportConfig
 from openprime.core.transport import Rendezvous, Transport, TransportFactory
@@ -414,17 +414,8 @@ def _freeze_self(ctx: GroupContext) -> None:
 def _await_frozen(ctx: GroupContext) -> int:
     """Rank 0: the frozen peer's pid, once it is stopped (SIGSTOP takes effect once the process is scheduled)."""
     pid = int(_side_channel(ctx).get("frozen"))
-    deadline = time.monotonic() + 10
-    while _process_state(pid) != "T":
-        assert time.monotonic() < deadline, f"the peer did not stop ({_process_state(pid)})"
-        time.sleep(0.005)
+    await_stopped(pid, "the peer")
     return pid
-
-
-def _process_state(pid: int) -> str:
-    """The process's state letter in /proc (T: stopped)."""
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0]
 
 
 def _await(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
