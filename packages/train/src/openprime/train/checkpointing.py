@@ -118,11 +118,11 @@ def saved_nodes(root: pathlib.Path, step: int, *, checksums: bool = False) -> li
     return parts_by_node(usable_nodes(verify_step(root, step, checksums=checksums, enough=nodes_here(1))))
 
 
-def num_nodes_saved(root: pathlib.Path, step: int, *, checksums: bool = False) -> int:
-    """How many nodes' parts of step `step` under `root` all finished saving (`checksums`: and verify); 0 when none
-    did or the step is gone (a live run on a shared disk prunes its old steps)."""
+def num_nodes_saved(root: pathlib.Path, step: int) -> int:
+    """How many nodes' parts of step `step` under `root` all finished saving (checksums not read); 0 when none did
+    or the step is gone (a live run on a shared disk prunes its old steps)."""
     try:
-        return len(saved_nodes(root, step, checksums=checksums))
+        return len(saved_nodes(root, step, checksums=False))
     except (CorruptCheckpoint, OSError, ValueError, KeyError):
         return 0
 
