@@ -176,6 +176,39 @@ def test_a_replica_whose_training_blew_up_contributes_nothing(codec, bad):
         assert torch.equal(p.detach(), params[0].detach())
 
 
+@pytest.mark.parametrize("codec", ["fp32", "int8"])
+def test_finite_pseudo_gradients_whose_sum_would_overflow_stay_out(codec):
+    """Finite values past fp32's maximum / members (3e38 in two of three replicas: their sum is past fp32's
+    range) stay out of the mean, as NaN does; values at that bound (1.1e38 <= 3.4e38 / 3) still count, and their
+    sum is exact. Before, fp32 summed them to inf in every replica's weights, and the int8 encoder of the hop
+    where the sum overflowed raised (that node's thread died, the others timed out)."""
+    from openprime.kernels import Int8Codec
+
+    def run(bad_value: float) -> tuple[list, list[torch.nn.Parameter]]:
+        params = [torch.nn.Parameter(torch.zeros(4096)) for _ in range(3)]
+        config = DiLoCoConfig(num_inner_steps=1, outer_lr=1.0, outer_optimizer=OuterOptimizer.SGD)
+        codecs = [Int8Codec() if codec == "int8" else Float32Codec() for _ in range(3)]
+        dilocos = [DiLoCo([p], config=config, transport=t, timeouts=TIMEOUTS, codec=c)
+                   for p, t, c in zip(params, local_group(3), codecs, strict=True)]
+        blown = good.clone()
+        blown[17] = -bad_value  # the pseudo-gradient is theta - weights: +bad_value there
+        return _outer_step(params, dilocos, [good, blown, blown]), params
+
+    good = torch.linspace(-1.0, 1.0, 4096)
+    results, params = run(3e38)
+    assert [r.num_contributors for r in results] == [1, 1, 1]
+    assert [r.contributed for r in results] == [True, False, False]
+    for p in params:  # the one good replica's weights, exactly (int8 within its error)
+        torch.testing.assert_close(p.detach(), good, rtol=0, atol=0 if codec == "fp32" else 0.02)
+        assert torch.equal(p.detach(), params[0].detach())
+    results, params = run(1.1e38)
+    assert [r.num_contributors for r in results] == [3, 3, 3]
+    for p in params:
+        assert torch.isfinite(p).all() and torch.equal(p.detach(), params[0].detach())
+        # theta = -(mean pseudo-gradient) = -(2 x 1.1e38 + small) / 3 at element 17
+        assert float(p.detach()[17]) == pytest.approx(-2.2e38 / 3, rel=1e-3)
+
+
 def test_a_replica_that_withholds_its_pseudo_gradient_takes_the_others_average():
     """`step(contribute=False)`: the loop says its replica is unhealthy (its last inner steps had no finite
     gradient), so even finite weights stay out of the mean; with nobody contributing, theta is unchanged."""

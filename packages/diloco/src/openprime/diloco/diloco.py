@@ -249,9 +249,10 @@ class DiLoCo:
             contributing = (contribute and self.has_state and t.rank not in rnd.new_ranks
                             and not self._untrained_state)
             delta = self.state.compute_pseudo_gradient(self._delta_device)
-            if contributing and not all_finite(delta):
-                log.warning("outer step %d: this replica's pseudo-gradient holds NaN or inf (its inner training "
-                            "diverged); it contributes zero and takes the others' average", rnd.step)
+            if contributing and not summable(delta, t.world_size):
+                log.warning("outer step %d: this replica's pseudo-gradient holds NaN, inf or values past fp32's "
+                            "maximum over %d members (its inner training diverged); it contributes zero and takes "
+                            "the others' average", rnd.step, t.world_size)
                 contributing = False
             if not contributing:
                 delta.zero_()
@@ -350,9 +351,20 @@ class DiLoCo:
                                total_s=time.monotonic() - start)
 
 
-def all_finite(x: torch.Tensor) -> bool:
-    """Whether every value of x is finite: one reduction pass (max |x| propagates NaN), no boolean copy of x."""
-    return x.numel() == 0 or math.isfinite(float(torch.linalg.vector_norm(x, float("inf"))))
+_FP32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def summable(x: torch.Tensor, num_members: int) -> bool:
+    """Whether x can go into a sum over `num_members` replicas without overflowing fp32: every |value| at most
+    fp32's maximum / num_members. Then every partial sum of the ring (k addends, each so bounded) is finite, and
+    so is its int8 encoding (a bucket decodes to the mean of its values). A finite pseudo-gradient past that
+    (1.2e38 at 3 members) summed to inf in fp32 and reached every replica's weights, and stopped the int8 encoder
+    of the hop where it overflowed with an error (the node died, the others timed out). One reduction pass:
+    max |x| propagates NaN, and no boolean copy of x is made."""
+    if x.numel() == 0:
+        return True
+    max_abs = float(torch.linalg.vector_norm(x, float("inf")))
+    return math.isfinite(max_abs) and max_abs <= _FP32_MAX / num_members
 
 
 def _delta_device(where: PseudoGradientDevice, params_device: torch.device, codec: Codec) -> torch.device | None:
