@@ -80,14 +80,17 @@ class StreamTransport(MailboxReceives, Transport):
         raise NotImplementedError
 
     def _lose_peer(self, peer: int, reason: str) -> None:
-        """Fail what waits on `peer`: connecting to it failed."""
+        """Fail what waits on `peer`: connecting to it failed. Not while it has a connection to this rank: what it
+        sent comes over that, and its death or goodbye is seen there (a refused connect to a peer that sent, then
+        closed, failed receives of messages still in flight)."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ sending
 
     def _connect_early(self) -> None:
         """Connect to every peer now, in the background, as Gloo does: a peer that dies later is then seen at
-        once (its connections to us end without a goodbye), and one that cannot be reached fails our receives."""
+        once (its connections to us end without a goodbye), and one that cannot be reached (and has not connected to us)
+        fails our receives."""
         for peer in self._out:
             threading.Thread(target=self._connect_in_background, args=(peer,), daemon=True,
                              name=f"{self.kind}-connect-{self.rank}-{peer}").start()

@@ -197,6 +197,11 @@ class TcpTransport(StreamTransport):
     # ------------------------------------------------------------------ receiving
 
     def _lose_peer(self, peer: int, reason: str) -> None:
+        with self._lock:
+            # A peer connected to this rank sends over those connections: its death or goodbye is seen there, after
+            # what it sent before (which a refused connect to a peer that sent, then closed, would have failed).
+            if self._in_sockets.get(peer):
+                return
         self._mailbox.peer_lost(peer, reason)
 
     def _accept_loop(self) -> None:

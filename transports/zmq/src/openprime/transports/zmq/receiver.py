@@ -141,6 +141,13 @@ class Receiver:
         self._lost.add(peer)
         self._mailbox.peer_lost(peer, reason)
 
+    def lose_unless_connected(self, peer: int, reason: str) -> None:
+        """`lose`, unless `peer` has a connection to this rank (a connect to it failed): it sends over that, and its
+        death or goodbye is seen there, after what it sent before. Called from another thread: `_ready` is only
+        read (one lookup under the GIL); a handshake registered just after it fails what waits, as before."""
+        if not self._ready.get(peer):
+            self.lose(peer, reason)
+
     def stop(self, timeout_s: float) -> bool:
         """Stop the thread (it closes its sockets); False if it did not finish within `timeout_s`."""
         self._stop.set()

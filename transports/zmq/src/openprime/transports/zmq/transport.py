@@ -295,7 +295,7 @@ class ZmqTransport(StreamTransport):
         return self._mailbox.post(peer, tag, [scratch], deadline, acc)
 
     def _lose_peer(self, peer: int, reason: str) -> None:
-        self._receiver.lose(peer, reason)
+        self._receiver.lose_unless_connected(peer, reason)
 
     def _receivable(self, peer: int) -> None:  # irecv: MailboxReceives; irecv_add
         super()._receivable(peer)
