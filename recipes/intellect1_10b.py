@@ -55,7 +55,8 @@ def config() -> RunConfig:
         # A checkpoint at every outer step, written while the next inner steps run; two kept.
         checkpoint=CheckpointConfig(mode=SaveMode.ASYNC, interval_steps=100, num_keep=2),
         # FSDP2 over the node's 8 GPUs as torchtitan and PRIME: bf16 forward and backward, fp32 gradient
-        # reduce-scatter; full activation checkpointing: 36 GiB per H100 (`openprime plan`).
+        # reduce-scatter; full activation checkpointing: 69.5 GiB per H100 (`openprime plan`), 38 of it the
+        # fp32 gradient every GPU keeps unsharded while 16 micro-batches accumulate.
         fsdp=FSDPConfig(num_local_ranks=8, param_dtype=Precision.BF16, reduce_dtype=Precision.FP32,
                         activation_checkpointing=ActivationCheckpointing.FULL),
     )

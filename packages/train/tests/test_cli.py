@@ -292,7 +292,7 @@ def test_dry_run_10b_shards_over_a_fake_8_rank_group_within_a_minute():
     assert sharding in out
     # The planner's plan for the node, with the same weights per GPU.
     assert "2 nodes x 8 H100 SXM" in out and "the planner's: 4 x 10,211,381,248 / 8 = 5,105,690,624 bytes" in out
-    assert re.search(r"total +36\.2 GiB +fits, 43\.8 GiB to spare", out), out
+    assert re.search(r"total +69\.5 GiB +fits, 10\.5 GiB to spare", out), out
 
 
 def test_dry_run_shards_are_padded_along_dim_0(capsys):
@@ -316,7 +316,7 @@ def test_dry_run_of_a_model_that_does_not_fit_says_by_how_much(capsys):
     err = captured.err
     assert err.startswith("openprime: error: 'intellect1-10b' does not fit one H100 SXM: with 1 local rank per node "
                           "each GPU needs 167.7 GiB, 87.7 GiB more than its 80 GiB")
-    assert "--set fsdp.num_local_ranks=4 (55.3 GiB)" in err
+    assert "--set fsdp.num_local_ranks=8 (69.5 GiB)" in err
     assert not torch.distributed.is_initialized()
 
 
@@ -553,11 +553,11 @@ def test_mesh_serve_names_its_own_flags_in_a_refusal(capsys, args, expected):
 
 
 def test_plan_with_gpus_per_node_names_that_flag_in_its_remedy(capsys):
-    # --gpus-per-node sets the local ranks: the remedy's --set fsdp.num_local_ranks=4 was overridden by it.
+    # --gpus-per-node sets the local ranks: the remedy's --set fsdp.num_local_ranks=8 was overridden by it.
     assert main(["plan", str(ROOT / "recipes" / "intellect1_10b.py"), "--nodes", "2", "--bandwidth", "1gbit",
                  "--gpus-per-node", "2"]) == 1
     err = capsys.readouterr().err
-    assert "more local ranks: --gpus-per-node 4 (55.3 GiB)" in err and "fsdp.num_local_ranks" not in err, err
+    assert "more local ranks: --gpus-per-node 8 (69.5 GiB)" in err and "fsdp.num_local_ranks" not in err, err
 
 
 def test_export_of_a_path_that_does_not_exist_says_so(tmp_path, capsys):

@@ -32,16 +32,21 @@ def ten_b():
 def test_ten_b_by_hand(ten_b):
     plan = plan_run(ten_b, num_nodes=14, bandwidth_bps=1.6e9)
     assert plan.num_params == P
-    # Sharded over 8 GPUs: fp32 weights and gradients, AdamW's two fp32 moments.
-    assert plan.weights_bytes == plan.grads_bytes == 4 * P / 8 == 5_105_690_624
+    # Sharded over 8 GPUs: fp32 weights, AdamW's two fp32 moments.
+    assert plan.weights_bytes == 4 * P / 8 == 5_105_690_624
     assert plan.optimizer_bytes == 8 * P / 8
+    # The gradients are not sharded: each rank's 16 sequences go one at a time, the first 15 without FSDP2's
+    # reduce-scatter, so every GPU keeps the whole model's gradient in fp32 (the reduce dtype) until the 16th.
+    assert plan.num_micro_batches == 16 and plan.accumulates_unsharded
+    assert plan.grads_bytes == 4 * P == 40_845_524_992  # 38.0 GiB
     # bf16 root (embedding + output + norm = 2*V*D + D) and two blocks (each (P - root) / 42 = 218,112,000),
     # and as much again for their unsharded gradients.
     assert plan.gathered_bytes == 2 * 2 * (2 * V * D + D + 2 * 218_112_000) == 5_947_604_992
     # Checkpointed block inputs 42*8192*4096*2, one recomputed block 8192*2*(5*4096 + 2*1024 + 4*14336),
     # fp32 logits and log-softmax 2*8192*128256*4.
     assert plan.activations_bytes == 2_818_572_288 + 1_308_622_848 + 8_405_385_216
-    assert plan.gpu_bytes == 38_902_947_840 and plan.fits  # 36.2 GiB of 80
+    assert plan.gpu_bytes == 4 * P / 8 + 4 * P + 8 * P / 8 + 5_947_604_992 + 12_532_580_352 == 74_642_782_208
+    assert plan.fits  # 69.5 GiB of 80
     # Host: fp32 theta, outer momentum, pseudo-gradient.
     assert plan.host_bytes == 12 * P == 122_536_574_976
     # Ring all-reduce: each node sends 2*13/14 of the payload.
@@ -98,6 +103,7 @@ def test_bad_bandwidth_names_the_forms(text, says):
 # inputs, one recomputed block, the fp32 logits and log-softmax; fp32 doubles the first two.
 BLOCK_INPUTS, ONE_BLOCK, LOGITS = 42 * SEQ * D * 2, SEQ * 2 * (5 * D + 2 * 1024 + 4 * F), 2 * SEQ * V * 4
 GATHERED = 2 * 2 * (2 * V * D + D + 2 * 218_112_000)  # bf16 root and two blocks, with their gradients
+ACCUMULATED = 4 * P  # the whole model's fp32 gradient, unsharded on every GPU while micro-batches accumulate
 
 
 def test_does_not_fit_says_by_how_much(ten_b):
@@ -111,7 +117,7 @@ def test_does_not_fit_says_by_how_much(ten_b):
     assert f"DOES NOT FIT: {plan.shortfall_bytes / GiB:.1f} GiB more than the 80 GiB of one H100" in format_plan(plan)
     small = GPU(name="small GPU", memory_bytes=24 * GiB, peak_flops=100e12)
     plan = plan_run(ten_b, num_nodes=2, bandwidth_bps=1e9, gpu=small)
-    assert "DOES NOT FIT: 12.2 GiB more than the 24 GiB of one small GPU" in format_plan(plan)
+    assert "DOES NOT FIT: 45.5 GiB more than the 24 GiB of one small GPU" in format_plan(plan)  # 69.5 GiB
 
 
 def test_memory_follows_the_fsdp_config(ten_b):
@@ -120,14 +126,14 @@ def test_memory_follows_the_fsdp_config(ten_b):
     full = plan_run(ten_b, num_nodes=2, bandwidth_bps=1e9)
     assert full.gpus_per_node == 8 and full.activation_checkpointing and full.micro_batch_size == 1
     assert full.activations_bytes == BLOCK_INPUTS + ONE_BLOCK + LOGITS == 12_532_580_352
-    assert full.gpu_bytes == 16 * P / 8 + GATHERED + 12_532_580_352 == 38_902_947_840  # 36.2 GiB: fits
+    assert full.gpu_bytes == 12 * P / 8 + ACCUMULATED + GATHERED + 12_532_580_352 == 74_642_782_208  # 69.5 GiB: fits
     # Without checkpointing every block keeps its saved tensors until its backward: 42 blocks, not one plus
-    # 42 inputs. 83.6 GiB: INTELLECT-1 needs the recomputation to fit 8 x 80 GiB.
+    # 42 inputs. 116.9 GiB: INTELLECT-1 needs the recomputation to fit 8 x 80 GiB.
     no_ac = _evolve(ten_b, activation_checkpointing=ActivationCheckpointing.NONE)
     plan = plan_run(no_ac, num_nodes=2, bandwidth_bps=1e9)
     assert not plan.activation_checkpointing
     assert plan.activations_bytes == 42 * ONE_BLOCK + LOGITS == 63_367_544_832
-    assert plan.gpu_bytes == 16 * P / 8 + GATHERED + 63_367_544_832 == 89_737_912_320
+    assert plan.gpu_bytes == 12 * P / 8 + ACCUMULATED + GATHERED + 63_367_544_832 == 125_477_746_688
     assert not plan.fits and "activation checkpointing none" in format_plan(plan)
     assert plan_run(no_ac, num_nodes=2, bandwidth_bps=1e9, gpu="h200").fits
     # The micro-batch scales the activations; 0 means the rank's whole share (128 / 8 = 16) at once.
@@ -153,15 +159,16 @@ def _evolve(cfg, *, micro_batch_size=None, **fsdp):
 
 
 def test_check_fits_says_how_many_gib_over_and_what_to_change(ten_b):
-    check_fits(ten_b, "h100")  # the recipe: 36.2 GiB of 80
+    check_fits(ten_b, "h100")  # the recipe: 69.5 GiB of 80
     one_rank = _evolve(ten_b, num_local_ranks=1)
     with pytest.raises(ConfigError) as e:
         check_fits(one_rank, "h100")
     over = (180_041_875_456 - 80 * GiB) / GiB  # 87.68: see test_does_not_fit_says_by_how_much
     assert f"'intellect1-10b' does not fit one H100 SXM: with 1 local rank per node each GPU needs 167.7 GiB, " \
            f"{over:.1f} GiB more than its 80 GiB" in str(e.value)
-    # 2 ranks: 16P/2 + GATHERED + 12,532,580,352 = 93.3 GiB, still over; 4 ranks: 55.3 GiB.
-    assert "To fit, change: more local ranks: --set fsdp.num_local_ranks=4 (55.3 GiB)" in str(e.value)
+    # 2 ranks: 12P/2 + 4P (the accumulated gradient, whatever the ranks) + GATHERED + 12,532,580,352 = 112.3 GiB,
+    # still over; 4 ranks: 83.8 GiB, still over; 8 ranks: 69.5 GiB.
+    assert "To fit, change: more local ranks: --set fsdp.num_local_ranks=8 (69.5 GiB)" in str(e.value)
     assert "or use GPUs with more memory" in str(e.value)
     # Each single change with what a GPU would need after it; all of them together when none is enough.
     lean = _evolve(ten_b, num_local_ranks=2, micro_batch_size=2, activation_checkpointing=ActivationCheckpointing.NONE)
@@ -172,7 +179,7 @@ def test_check_fits_says_how_many_gib_over_and_what_to_change(ten_b):
     assert "a smaller micro-batch: --set train.micro_batch_size=1" in message
     assert "not enough alone" in message and "more local ranks:" not in message
     assert ("all together: --set fsdp.activation_checkpointing=full --set train.micro_batch_size=1 "
-            "--set fsdp.num_local_ranks=4 (55.3 GiB)") in message
+            "--set fsdp.num_local_ranks=8 (69.5 GiB)") in message
 
 
 def test_local_ranks_must_match_the_processes_and_the_gpus(ten_b, monkeypatch):
@@ -199,17 +206,16 @@ def test_check_hardware_on_cuda_only(ten_b, monkeypatch):
                         lambda i: types.SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=sizes[i]))
     gpu = hardware.visible_gpu(8)
     assert gpu.memory_bytes == 32 * GiB and gpu.peak_flops == 989e12
-    with pytest.raises(ConfigError, match="does not fit one NVIDIA H100 80GB HBM3: .* 4.2 GiB more than its 32 GiB"):
-        check_hardware(ten_b, device_type="cuda")  # 36.2 GiB per GPU
+    with pytest.raises(ConfigError, match="does not fit one NVIDIA H100 80GB HBM3: .* 37.5 GiB more than its 32 GiB"):
+        check_hardware(ten_b, device_type="cuda")  # 69.5 GiB per GPU
     sizes[7] = 80 * GiB
     check_hardware(ten_b, device_type="cuda")
-    # Two nodes of 8 ranks on one machine of 8 GPUs would put both nodes' shares on every GPU (2 x 36.2 GiB fits
-    # 80; 3 x does not).
-    check_hardware(ten_b, num_nodes=2, device_type="cuda")
-    with pytest.raises(ConfigError, match=r"3 nodes of 8 local rank\(s\) on this machine's 8 GPU\(s\) put 3 nodes' "
-                                          r"shares on each GPU: 108.7 GiB, more than its 80 GiB. Start at most 2 "
-                                          r"node\(s\) here \(--nodes 2\)"):
-        check_hardware(ten_b, num_nodes=3, device_type="cuda")
+    # Two nodes of 8 ranks on one machine of 8 GPUs would put both nodes' shares on every GPU (2 x 69.5 GiB does
+    # not fit 80).
+    with pytest.raises(ConfigError, match=r"2 nodes of 8 local rank\(s\) on this machine's 8 GPU\(s\) put 2 nodes' "
+                                          r"shares on each GPU: 139.0 GiB, more than its 80 GiB. Start at most 1 "
+                                          r"node\(s\) here \(--nodes 1\)"):
+        check_hardware(ten_b, num_nodes=2, device_type="cuda")
     with pytest.raises(ConfigError, match="87.7 GiB more than its 80 GiB"):
         check_hardware(_evolve(ten_b, num_local_ranks=1), device_type="cuda")
     # Without CUDA nothing is checked: a CPU run's ranks are processes and its memory the host's.
@@ -238,10 +244,11 @@ def test_cli_plan_errors(capsys):
     assert main(["plan", TEN_B, "--nodes", "14", "--bandwidth", "1gbit", "--gpus-per-node", "1"]) == 1
     captured = capsys.readouterr()
     assert "14 nodes x 1 H100 SXM" in captured.out and "DOES NOT FIT" in captured.out
-    assert "To fit, change: more local ranks: --gpus-per-node 4" in captured.err  # the flag that set them
-    # --gpus-per-node defaults to the recipe's fsdp.num_local_ranks.
-    assert main(["plan", TEN_B, "--nodes", "14", "--bandwidth", "1gbit", "--set", "fsdp.num_local_ranks=4"]) == 0
-    assert "14 nodes x 4 H100 SXM" in capsys.readouterr().out
+    assert "To fit, change: more local ranks: --gpus-per-node 8" in captured.err  # the flag that set them
+    # --gpus-per-node defaults to the recipe's fsdp.num_local_ranks (4: 83.8 GiB, which an H200 holds).
+    assert main(["plan", TEN_B, "--nodes", "14", "--bandwidth", "1gbit", "--gpu", "h200",
+                 "--set", "fsdp.num_local_ranks=4"]) == 0
+    assert "14 nodes x 4 H200 SXM" in capsys.readouterr().out
 
 
 def test_a_data_parallel_run_is_planned_as_one(capsys):
@@ -269,3 +276,92 @@ def test_a_small_model_s_plan_reads_in_units_that_show_it(capsys):
                  "all-reduce 58.8 ms"):
         assert line in out, line
     assert " 0.0 GiB" not in out and "0.00 GB" not in out
+
+
+def _fsdp2_debug_model(fsdp):
+    """The debug model under openprime's FSDP2 plan over a fake group of fsdp.num_local_ranks ranks (real tensors
+    on the CPU, collectives that do nothing), and a function that sums the bytes of FSDP2's unsharded tensors."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from openprime.fsdp import fake_mesh, parallelize
+    from openprime.train.model import FLAVORS, Llama
+
+    model = Llama(FLAVORS["debug"])
+    model.init_weights(seed=0)
+    parallelize(model, model.layers, fake_mesh(fsdp.num_local_ranks), config=fsdp)
+
+    def unsharded_bytes(of):
+        groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
+        tensors = [of(fp) for group in groups if group is not None for fp in group.fsdp_params]
+        return sum(t.untyped_storage().size() for t in tensors if t is not None)
+    return model, unsharded_bytes
+
+
+def test_accumulated_gradients_are_whole_on_every_gpu_as_fsdp2_keeps_them():
+    # The trainer reduce-scatters only after a step's last micro-batch (gradient_sync), as PRIME did; until then FSDP2
+    # keeps every unit's unsharded gradient in the reduce dtype. The planner counted sharded gradients (4P / R), so
+    # INTELLECT-1 read 36.2 GiB per H100 where its 16 accumulated micro-batches hold 38 GiB of fp32 gradients more.
+    from openprime.fsdp import destroy_local_mesh, gradient_sync
+
+    cfg = recipe_config(ROOT / "recipes" / "debug.py", ["fsdp.num_local_ranks=2", "fsdp.param_dtype=bf16",
+                                                        "train.micro_batch_size=1"])
+    plan = plan_run(cfg, num_nodes=2, bandwidth_bps=1e9)
+    model, unsharded_bytes = _fsdp2_debug_model(cfg.fsdp)
+    try:
+        gradient_sync(model, False)  # a micro-batch before the last
+        model(torch.randint(0, cfg.model.vocab_size, (1, 16))).float().sum().backward()
+        held = unsharded_bytes(lambda fp: fp.unsharded_accumulated_grad)
+    finally:
+        destroy_local_mesh()
+    assert held == plan.grads_bytes == 4 * plan.num_params  # fp32, the whole model, on each of the 2 ranks
+    assert plan.num_micro_batches == 4 and plan.accumulates_unsharded  # 8 sequences: 4 per rank, one at a time
+    # bf16 reduction halves it; one micro-batch per step (the whole share in one forward) keeps gradients sharded.
+    bf16 = plan_run(_evolve(cfg, reduce_dtype=Precision.BF16), num_nodes=2, bandwidth_bps=1e9)
+    assert bf16.grads_bytes == 2 * plan.num_params
+    whole = plan_run(_evolve(cfg, micro_batch_size=0), num_nodes=2, bandwidth_bps=1e9)
+    assert not whole.accumulates_unsharded and whole.grads_bytes == 4 * plan.num_params / 2
+    assert "accumulated over 4 micro-batches" in format_plan(plan) and "accumulated" not in format_plan(whole)
+
+
+def test_reshard_after_forward_never_keeps_every_block_gathered_as_fsdp2_does():
+    # With fsdp.reshard_after_forward=never every block keeps its gathered parameters from its forward to its
+    # backward; the planner counted the root and 2 blocks whatever the policy (16 GiB less than it is at 10B).
+    from openprime.fsdp import destroy_local_mesh
+    from openprime.fsdp.config import ReshardPolicy
+
+    cfg = recipe_config(ROOT / "recipes" / "debug.py", ["fsdp.num_local_ranks=2", "fsdp.param_dtype=bf16",
+                                                        "fsdp.reshard_after_forward=never"])
+    m = cfg.model
+    root = 2 * m.vocab_size * m.dim + m.dim  # 1,048,704 of the debug model's 1,836,160 parameters
+    block = (1_836_160 - root) // m.num_layers  # 196,864
+    model, unsharded_bytes = _fsdp2_debug_model(cfg.fsdp)
+    try:
+        model(torch.randint(0, m.vocab_size, (1, 16)))
+        gathered = unsharded_bytes(lambda fp: fp.all_gather_outputs[0] if fp.all_gather_outputs else None)
+    finally:
+        destroy_local_mesh()
+    assert gathered == 2 * (root + m.num_layers * block)  # bf16: the root and all 4 blocks, after forward
+    plan = plan_run(cfg, num_nodes=2, bandwidth_bps=1e9)
+    assert plan.gathered_bytes == gathered + 2 * (root + 2 * block)  # and the gradients of the root and 2 blocks
+    assert "root + every block" in format_plan(plan)
+    default = plan_run(_evolve(cfg, reshard_after_forward=ReshardPolicy.ALL_BUT_LAST), num_nodes=2, bandwidth_bps=1e9)
+    assert default.gathered_bytes == 2 * 2 * (root + 2 * block)
+    # INTELLECT-1 with `never` and micro-batch 2: 16.3 GiB more gathered; 90.5 GiB does not fit an H100 (the planner
+    # said 47.9 GiB before both fixes).
+    ten_b = recipe_config(TEN_B, ["fsdp.reshard_after_forward=never", "train.micro_batch_size=2"])
+    never = plan_run(ten_b, num_nodes=2, bandwidth_bps=1e9)
+    assert never.gathered_bytes == 2 * (2 * V * D + D + 42 * 218_112_000) + 2 * (2 * V * D + D + 2 * 218_112_000)
+    assert never.gathered_bytes / GiB == pytest.approx(21.8, abs=0.05) and not never.fits
+
+
+def test_a_smaller_micro_batch_is_not_offered_when_accumulating_costs_more(ten_b):
+    # micro_batch_size=0 (the whole share, 2 sequences, in one forward) accumulates nothing; micro-batch 1 would halve
+    # the activations but keep the whole model's fp32 gradient on the GPU: 69.5 GiB instead of 47.9. It was offered as
+    # a change that helps.
+    cfg = attrs.evolve(ten_b, train=attrs.evolve(ten_b.train, batch_size=16, micro_batch_size=0))
+    small = GPU(name="40 GiB GPU", memory_bytes=40 * GiB, peak_flops=989e12)
+    plan = plan_run(cfg, num_nodes=2, bandwidth_bps=1e9, gpu=small)
+    assert plan.gpu_bytes == 12 * P / 8 + 4 * P / 8 + GATHERED + 2 * (BLOCK_INPUTS + ONE_BLOCK + LOGITS)  # 47.9 GiB
+    with pytest.raises(ConfigError) as e:
+        check_fits(cfg, small)
+    assert "does not fit one 40 GiB GPU" in str(e.value) and "micro_batch_size=1" not in str(e.value), str(e.value)

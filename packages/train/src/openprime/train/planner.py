@@ -12,10 +12,13 @@ with the median all-reduce times of Table 2 gives 95.7 / 85.6 / 83.0 %.
 
 Memory follows the run's FSDP config (`cfg.fsdp`, applied by openprime.fsdp.parallelize as torchtitan and
 PRIME do): parameters, gradients and AdamW's two moments are fp32 and sharded over the node's
-`num_local_ranks` GPUs; each FSDP unit is all-gathered in `param_dtype` only while it computes (with one
-local rank nothing is sharded or gathered, and the model computes in fp32); `activation_checkpointing`
-decides whether every block keeps all its activations or only its input; `train.micro_batch_size` is the
-batch of one forward. INTELLECT-1 10B: 8 ranks, bf16, full checkpointing, micro-batch 1. Everything here
+`num_local_ranks` GPUs; each FSDP unit is all-gathered in `param_dtype` only while it computes, or, with
+`reshard_after_forward=never`, from its forward until its backward (with one local rank nothing is sharded or
+gathered, and the model computes in fp32); `activation_checkpointing` decides whether every block keeps all its
+activations or only its input; `train.micro_batch_size` is the batch of one forward, and when a rank's share
+takes more than one, the gradients accumulate unsharded, in `reduce_dtype`, for the whole model (the trainer
+reduce-scatters only after the last micro-batch, as PRIME does). INTELLECT-1 10B: 8 ranks, bf16, full
+checkpointing, micro-batch 1 (16 accumulated: 38 GiB of fp32 gradients on every GPU). Everything here
 is an estimate of the steady state: allocator fragmentation, CUDA context and NCCL buffers (a few GiB)
 are left out, so treat "fits" with less than ~10% to spare as "probably not".
 
@@ -33,7 +36,7 @@ import attrs
 from openprime.core.collectives import SEGMENT_NUMEL
 from openprime.core.errors import ConfigError
 from openprime.diloco.config import Compression
-from openprime.fsdp import ActivationCheckpointing, Precision
+from openprime.fsdp import ActivationCheckpointing, Precision, ReshardPolicy
 from openprime.train.config import RunConfig, Strategy
 from openprime.train.model import count_parameters, num_flops_per_token
 
@@ -74,8 +77,12 @@ class Plan:
     num_params: int
     # memory of one GPU, for the run's FSDP config
     compute_dtype: Precision  # of the gathered parameters and the activations (fp32 when unsharded)
+    reduce_dtype: Precision  # of the gradient reduce-scatter, and of the unsharded gradients accumulated before it
     activation_checkpointing: bool
+    reshard_after_forward: ReshardPolicy
     micro_batch_size: int  # sequences per forward on one GPU (the whole share when the config says 0)
+    num_micro_batches: int  # forwards per GPU per inner step; over 1 (and sharded), gradients accumulate unsharded
+    accumulates_unsharded: bool  # every GPU keeps the whole model's unsharded gradient between micro-batches
     weights_bytes: float
     grads_bytes: float
     optimizer_bytes: float
@@ -164,9 +171,10 @@ def plan_run(cfg: RunConfig, *, num_nodes: int, bandwidth_bps: float, gpus_per_n
     return Plan(
         num_nodes=num_nodes, gpus_per_node=gpus_per_node, gpu=device, bandwidth_bps=float(bandwidth_bps),
         num_inner_steps=h, strategy=cfg.train.strategy, compression=cfg.diloco.compression, num_params=p,
-        compute_dtype=compute_dtype(cfg),
+        compute_dtype=compute_dtype(cfg), reduce_dtype=cfg.fsdp.reduce_dtype,
         activation_checkpointing=cfg.fsdp.activation_checkpointing is ActivationCheckpointing.FULL,
-        micro_batch_size=cfg.forward_batch_size, **memory,
+        reshard_after_forward=cfg.fsdp.reshard_after_forward, micro_batch_size=cfg.forward_batch_size,
+        num_micro_batches=cfg.num_micro_batches, accumulates_unsharded=accumulates_unsharded(cfg), **memory,
         gpu_bytes=sum(memory.values()), fits=sum(memory.values()) <= device.memory_bytes,
         # DiLoCo's host state (openprime.diloco.outer.OuterState): fp32 global weights, outer momentum
         # and pseudo-gradient, 12 bytes per parameter; sharded over the local ranks, the same per node.
@@ -208,20 +216,40 @@ def compute_dtype(cfg: RunConfig) -> Precision:
     return cfg.fsdp.param_dtype if cfg.fsdp.sharded else Precision.FP32
 
 
+def accumulates_unsharded(cfg: RunConfig) -> bool:
+    """Whether every GPU holds an unsharded gradient of the whole model: FSDP2 with gradient accumulation.
+
+    openprime.train.trainer.train_step turns FSDP2's gradient sync off for all micro-batches but the last (as
+    PRIME did), and FSDP2 then keeps each unit's unsharded gradient, cast to `reduce_dtype`, from one backward to
+    the next (FSDPParam.unsharded_accumulated_grad) until the last micro-batch reduce-scatters it.
+    """
+    return cfg.fsdp.sharded and cfg.num_micro_batches > 1
+
+
 def gpu_memory(cfg: RunConfig) -> dict[str, float]:
-    """Bytes of one GPU under the run's FSDP config (local ranks, param dtype, activation checkpointing)."""
+    """Bytes of one GPU under the run's FSDP config (local ranks, param and reduce dtypes, resharding, activation
+    checkpointing) and micro-batching, at the peak: the start of the last micro-batch's backward."""
     m, seq_len, gpus = cfg.model, cfg.train.seq_len, cfg.fsdp.num_local_ranks
     act = BF16 if compute_dtype(cfg) is Precision.BF16 else FP32
+    reduce = BF16 if cfg.fsdp.reduce_dtype is Precision.BF16 else FP32
     p = count_parameters(m)
     root = 2 * m.vocab_size * m.dim + m.dim  # embedding, output layer, final norm: FSDP's root unit
     block = (p - root) // m.num_layers
     # Sharded state: fp32 parameters (the master copy AdamW updates), fp32 gradients (reduce-scattered
     # in fp32), AdamW's exp_avg and exp_avg_sq: 4 + 4 + 8 = 16 bytes per parameter, divided by the ranks.
+    # With gradient accumulation the gradient is instead the unsharded one every unit keeps between micro-batches,
+    # `reduce` bytes for each of the model's p parameters, divided by nothing (4 x 10,211,381,248 bytes: 38.0 GiB
+    # at 10B). Its sharded fp32 form only appears, unit by unit, as the last backward reduce-scatters and frees it:
+    # the two together never exceed the unsharded one, which is what is counted.
+    grads = reduce * p if accumulates_unsharded(cfg) else FP32 * p / gpus
     # Gathered copies in param_dtype: the root unit stays unsharded through forward and backward (2 bytes
     # each for its 2VD parameters in bf16: 2 x 1,050,677,248 bytes, 1.96 GiB at 10B), plus the block computing
     # and the one prefetched; their unsharded gradients exist as long again, before the reduce-scatter: x2.
+    # With reshard_after_forward=never every block keeps its gathered parameters from its forward to its
+    # backward, so when backward starts all L blocks are gathered (the gradients still come 2 blocks at a time).
     # Unsharded, the model computes on its fp32 parameters directly and nothing is gathered.
-    gathered = 2 * act * (root + 2 * block) if cfg.fsdp.sharded else 0
+    gathered_blocks = m.num_layers if cfg.fsdp.reshard_after_forward is ReshardPolicy.NEVER else 2
+    gathered = act * (root + gathered_blocks * block) + act * (root + 2 * block) if cfg.fsdp.sharded else 0
     # Activations, per sequence of the micro-batch. A block's saved tensors per token: the norms' inputs
     # and outputs, q, k, v, the attention output (4D + D + 2*K*E) and the SwiGLU's w1, w3, silu(w1) and
     # their product (4F). Without checkpointing every block keeps them until its backward; with it each
@@ -238,7 +266,7 @@ def gpu_memory(cfg: RunConfig) -> dict[str, float]:
     # Not counted: the outer step's fp32 pseudo-gradient, which with int8 on a GPU (diloco.pseudo_gradient_device
     # auto) lives there during the outer step: 4 bytes per parameter share, allocated after the inner steps'
     # activations and gathered units are freed, which together with the gradients are larger.
-    return {"weights_bytes": FP32 * p / gpus, "grads_bytes": FP32 * p / gpus, "optimizer_bytes": 2 * FP32 * p / gpus,
+    return {"weights_bytes": FP32 * p / gpus, "grads_bytes": grads, "optimizer_bytes": 2 * FP32 * p / gpus,
             "gathered_bytes": gathered, "activations_bytes": cfg.forward_batch_size * per_sequence}
 
 
@@ -278,9 +306,12 @@ def _remedies(cfg: RunConfig, device: GPU) -> str:
     full_ac = attrs.evolve(cfg, fsdp=attrs.evolve(cfg.fsdp, activation_checkpointing=ActivationCheckpointing.FULL))
     if cfg.fsdp.activation_checkpointing is ActivationCheckpointing.NONE:
         changes.append(f"activation checkpointing: --set fsdp.activation_checkpointing=full ({need(full_ac)})")
-    if cfg.forward_batch_size > 1:
+    # A smaller micro-batch shrinks the activations, but from one forward per inner step (micro_batch_size 0, or the
+    # whole share) it starts gradient accumulation, whose unsharded gradient can cost more than it saves.
+    one = with_node(cfg, micro_batch_size=1)
+    if cfg.forward_batch_size > 1 and gpu_bytes(one) < gpu_bytes(cfg):
         changes.append(f"a smaller micro-batch: --set train.micro_batch_size=1 "
-                       f"({need(with_node(cfg, micro_batch_size=1))})")
+                       f"({need(one)})")
     if ranks is None:  # no number of ranks alone: all the changes together
         leanest = with_node(full_ac, micro_batch_size=1)
         together = _fitting_ranks(leanest, device)
@@ -408,6 +439,12 @@ def _rate(bps: float) -> str:
     return f"{bps / 1e9:.3g} Gbit/s ({bps / 8e9:.3g} GB/s)"
 
 
+def _gathered(plan: Plan) -> str:
+    if plan.reshard_after_forward is ReshardPolicy.NEVER:
+        return "root + every block (reshard_after_forward never), gradients of root + 2 blocks"
+    return "root + 2 blocks, with their gradients"
+
+
 def format_plan(plan: Plan) -> str:
     """The plan as aligned lines with units, for the terminal."""
     g = plan.gpu
@@ -424,10 +461,12 @@ def format_plan(plan: Plan) -> str:
         f"memory per GPU ({sharding}, {plan.compute_dtype.value} compute, micro-batch {plan.micro_batch_size}, "
         f"activation checkpointing {'full' if plan.activation_checkpointing else 'none'})",
         f"  {'weights (fp32' + shard + ')':23}  {_gib(plan.weights_bytes)}",
-        f"  {'gradients (fp32' + shard + ')':23}  {_gib(plan.grads_bytes)}",
+        f"  {'gradients (fp32' + shard + ')':23}  {_gib(plan.grads_bytes)}" if not plan.accumulates_unsharded else
+        f"  {'gradients (' + plan.reduce_dtype.value + ', whole)':23}  {_gib(plan.grads_bytes)}   unsharded on "
+        f"every GPU: accumulated over {plan.num_micro_batches} micro-batches, then reduce-scattered",
         f"  AdamW state (2 x fp32)   {_gib(plan.optimizer_bytes)}",
         f"  {'gathered ' + plan.compute_dtype.value + ' units':23}  {_gib(plan.gathered_bytes)}   "
-        f"{'root + 2 blocks, with their gradients' if plan.gpus_per_node > 1 else 'none: nothing is sharded'}",
+        f"{_gathered(plan) if plan.gpus_per_node > 1 else 'none: nothing is sharded'}",
         f"  activations              {_gib(plan.activations_bytes)}   incl. fp32 logits",
         f"  total                    {_gib(plan.gpu_bytes)}   {fit}",
         f"host memory per node       {_gib(plan.host_bytes)}   " + (
