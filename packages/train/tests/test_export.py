@@ -191,3 +191,48 @@ def test_a_directory_whose_config_json_is_not_a_run_s_is_a_clear_error(tmp_path,
     err = capsys.readouterr().err
     assert f"{tmp_path / 'hf' / 'config.json'} is not the config of an openprime run" in err, err
     assert "Hugging Face export" in err and not (tmp_path / "out").exists()
+
+
+def test_an_empty_out_dir_behind_a_symbolic_link_is_filled(model, reference_logits, tmp_path, monkeypatch):
+    # An existing empty OUT_DIR was replaced by renaming a sibling directory over it, which rename(2) refuses for a
+    # symbolic link to a directory on a bigger disk ("Not a directory") and for a mount point such as a container's
+    # output volume ("Device or resource busy"): `openprime export` said "free space, or choose another OUT_DIR".
+    import os
+
+    (tmp_path / "big-disk" / "hf").mkdir(parents=True)
+    (tmp_path / "hf").symlink_to(tmp_path / "big-disk" / "hf")
+    write_hf_checkpoint(model.state_dict(), DEBUG, tmp_path / "hf")
+    assert (tmp_path / "hf").is_symlink()  # the link stays; the files are where it points
+    assert sorted(p.name for p in (tmp_path / "big-disk" / "hf").iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big-disk", "hf"]  # no staging directory left
+    max_diff = (_hf_logits(tmp_path / "hf", _tokens()) - reference_logits).abs().max().item()
+    assert max_diff < LOGIT_ATOL
+    # A failure while the files move in (here the second, config.json) leaves the directory as empty as it was.
+    (tmp_path / "big-disk" / "other").mkdir()
+    (tmp_path / "other").symlink_to(tmp_path / "big-disk" / "other")
+    replace = os.replace
+
+    def fail_on_config(src, dst):
+        if str(dst).endswith("config.json"):
+            raise OSError(28, "No space left on device", str(dst))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", fail_on_config)
+    with pytest.raises(OSError, match="No space left"):
+        write_hf_checkpoint(model.state_dict(), DEBUG, tmp_path / "other")
+    assert not list((tmp_path / "big-disk" / "other").iterdir())
+
+
+def test_a_symbolic_link_to_nothing_is_refused_before_the_checkpoint_is_read(tmp_path, monkeypatch, capsys):
+    # It passed the check, the checkpoint was read, and the rename over the link failed: "cannot write the export to
+    # .../hf: Not a directory ...; free space, or choose another OUT_DIR".
+    from openprime.train import checkpointing, cli
+
+    def must_not_read(source):
+        raise AssertionError("the checkpoint was read")
+
+    monkeypatch.setattr(checkpointing, "load_model_weights", must_not_read)
+    (tmp_path / "hf").symlink_to(tmp_path / "missing")
+    assert cli.main(["export", str(tmp_path / "run"), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'hf'} is a symbolic link to {tmp_path / 'missing'}, which does not exist" in err, err

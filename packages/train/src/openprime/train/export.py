@@ -148,6 +148,9 @@ def to_hf_state_dict(state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> d
 def check_out_dir(out_dir: pathlib.Path) -> None:
     """ConfigError unless `out_dir` is absent or an empty directory: what an export may write into. Checked before
     the checkpoint is read (tens of GB at 10B) and again when it is written."""
+    if out_dir.is_symlink() and not out_dir.exists():
+        raise ConfigError(f"export: {out_dir} is a symbolic link to {os.readlink(out_dir)}, which does not exist; "
+                          f"create that directory or choose another output directory")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ConfigError(f"export: {out_dir} already exists and is not an empty directory; "
                           f"choose a new output directory or remove it first")
@@ -157,30 +160,70 @@ def write_hf_checkpoint(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, o
                         dtype: torch.dtype = torch.float32) -> None:
     """Write `config.json` and `model.safetensors` (tensors cast to `dtype`) into `out_dir`, atomically.
 
-    Everything is written into a temporary sibling directory that is renamed to `out_dir` at the end,
-    so a crash never leaves a half-written checkpoint behind. `out_dir` must not exist or be empty.
+    A new `out_dir` is written as a temporary sibling directory that is renamed to `out_dir` at the end, so a
+    crash never leaves a half-written checkpoint behind. An existing empty `out_dir` (which may be a mount point,
+    such as a container's output volume, or a symbolic link to a directory on another disk: neither can be
+    renamed over) is filled from a temporary directory inside it, the weights first and `config.json` last, each
+    file renamed whole. `out_dir` must not exist or be empty.
     """
     out_dir = pathlib.Path(out_dir)
     check_out_dir(out_dir)
     tensors = {name: tensor.to("cpu", dtype).contiguous()
                for name, tensor in to_hf_state_dict(state_dict, cfg).items()}
+    if out_dir.is_dir():
+        _fill_empty_dir(out_dir, tensors, cfg, dtype)
+        return
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
     try:
-        # "format": "pt" is the metadata transformers checks before it reads a safetensors file.
-        save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
-        (staging / "config.json").write_text(json.dumps(hf_config(cfg, dtype), indent=2) + "\n")
-        # mkdtemp makes the directory 0700 and safetensors its file 0600: the checkpoint is for others to read too
-        # (as config.json is, under the umask).
-        umask = os.umask(0)
-        os.umask(umask)
-        staging.chmod(0o777 & ~umask)
-        (staging / "model.safetensors").chmod(0o666 & ~umask)
+        _write_files(staging, tensors, cfg, dtype)
+        staging.chmod(0o777 & ~_umask())  # mkdtemp made it 0700: the checkpoint is for others to read too
         # rename(2) replaces an empty directory atomically, and fails if one appeared with contents.
         os.replace(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+_FILES = ("model.safetensors", "config.json")  # in the order they are moved into an existing directory
+
+
+def _write_files(directory: pathlib.Path, tensors: dict[str, torch.Tensor], cfg: ModelConfig,
+                 dtype: torch.dtype) -> None:
+    # "format": "pt" is the metadata transformers checks before it reads a safetensors file.
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(hf_config(cfg, dtype), indent=2) + "\n")
+    # safetensors creates its file 0600: the checkpoint is for others to read too (as config.json is, under the
+    # umask).
+    (directory / "model.safetensors").chmod(0o666 & ~_umask())
+
+
+def _fill_empty_dir(out_dir: pathlib.Path, tensors: dict[str, torch.Tensor], cfg: ModelConfig,
+                    dtype: torch.dtype) -> None:
+    """Write the export into the existing empty directory `out_dir` through a temporary directory inside it (the
+    same file system, whatever `out_dir` is mounted on or linked to); on failure nothing of it is left there."""
+    staging = pathlib.Path(tempfile.mkdtemp(prefix=".export.", suffix=".tmp", dir=out_dir))
+    moved = []
+    try:
+        _write_files(staging, tensors, cfg, dtype)
+        if others := [p.name for p in out_dir.iterdir() if p != staging]:
+            raise ConfigError(f"export: {out_dir} is no longer empty (it now holds {', '.join(sorted(others))}); "
+                              f"choose a new output directory or remove it first")
+        for name in _FILES:
+            os.replace(staging / name, out_dir / name)
+            moved.append(out_dir / name)
+        staging.rmdir()
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        for path in moved:
+            path.unlink(missing_ok=True)
+        raise
+
+
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
 
 
 __all__ = ["check_out_dir", "hf_config", "to_hf_state_dict", "write_hf_checkpoint"]
