@@ -13,7 +13,7 @@ from openprime.diloco.config import Compression
 from openprime.fsdp import ActivationCheckpointing, Precision
 from openprime.train.cli import main
 from openprime.train.hardware import check_hardware, check_local_ranks
-from openprime.train.planner import GPU, GiB, check_fits, format_plan, parse_bandwidth, plan_run
+from openprime.train.planner import GPU, GiB, check_fits, format_plan, gpu_bytes, parse_bandwidth, plan_run
 from openprime.train.recipe import recipe_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
@@ -179,7 +179,7 @@ def test_check_fits_says_how_many_gib_over_and_what_to_change(ten_b):
     assert "a smaller micro-batch: --set train.micro_batch_size=1" in message
     assert "not enough alone" in message and "more local ranks:" not in message
     assert ("all together: --set fsdp.activation_checkpointing=full --set train.micro_batch_size=1 "
-            "--set fsdp.num_local_ranks=8 (69.5 GiB)") in message
+            "--set fsdp.gradient_sync=every_micro_batch --set fsdp.num_local_ranks=4 (55.3 GiB)") in message
 
 
 def test_local_ranks_must_match_the_processes_and_the_gpus(ten_b, monkeypatch):
@@ -321,6 +321,35 @@ def test_accumulated_gradients_are_whole_on_every_gpu_as_fsdp2_keeps_them():
     whole = plan_run(_evolve(cfg, micro_batch_size=0), num_nodes=2, bandwidth_bps=1e9)
     assert not whole.accumulates_unsharded and whole.grads_bytes == 4 * plan.num_params / 2
     assert "accumulated over 4 micro-batches" in format_plan(plan) and "accumulated" not in format_plan(whole)
+
+
+def test_gradients_synced_every_micro_batch_stay_sharded_as_fsdp2_keeps_them():
+    # fsdp.gradient_sync=every_micro_batch: every backward reduce-scatters, so FSDP2 keeps no unsharded gradient and
+    # the planner counts the sharded one; a plan that accumulates offers it as a remedy.
+    from openprime.fsdp import GradientSync, destroy_local_mesh, gradient_sync
+
+    cfg = recipe_config(ROOT / "recipes" / "debug.py", ["fsdp.num_local_ranks=2", "fsdp.param_dtype=bf16",
+                                                        "train.micro_batch_size=1",
+                                                        "fsdp.gradient_sync=every_micro_batch"])
+    plan = plan_run(cfg, num_nodes=2, bandwidth_bps=1e9)
+    model, unsharded_bytes = _fsdp2_debug_model(cfg.fsdp)
+    try:
+        gradient_sync(model, True)  # what the trainer asks for every micro-batch under this policy
+        model(torch.randint(0, cfg.model.vocab_size, (1, 16))).float().sum().backward()
+        held = unsharded_bytes(lambda fp: fp.unsharded_accumulated_grad)
+        sharded = sum(p.grad.to_local().numel() * 4 for p in model.parameters() if p.grad is not None)
+    finally:
+        destroy_local_mesh()
+    assert held == 0 and not plan.accumulates_unsharded
+    assert sharded == plan.grads_bytes == 4 * plan.num_params / 2  # fp32, half the model on each of the 2 ranks
+    ten_b = recipe_config(ROOT / "recipes" / "intellect1_10b.py", [])
+    assert ten_b.fsdp.gradient_sync is GradientSync.LAST_MICRO_BATCH  # PRIME's; the lean one below must be asked for
+    every = _evolve(ten_b, micro_batch_size=2, gradient_sync=GradientSync.EVERY_MICRO_BATCH)
+    with pytest.raises(ConfigError) as e:
+        check_fits(_evolve(ten_b, micro_batch_size=2), "h100")
+    assert (f"sharded gradients: --set fsdp.gradient_sync=every_micro_batch ({gpu_bytes(every) / GiB:.1f} GiB; "
+            "8 reduce-scatters a step instead of 1)") in str(e.value)
+    assert gpu_bytes(every) < 80 * GiB
 
 
 def test_reshard_after_forward_never_keeps_every_block_gathered_as_fsdp2_does():

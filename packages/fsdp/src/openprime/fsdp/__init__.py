@@ -1,6 +1,6 @@
 """openprime.fsdp: FSDP2 inside a node, applied torchtitan-style (`apply_*` functions on an ordinary model)."""
 
-from openprime.fsdp.config import ActivationCheckpointing, FSDPConfig, Precision, ReshardPolicy
+from openprime.fsdp.config import ActivationCheckpointing, FSDPConfig, GradientSync, Precision, ReshardPolicy
 from openprime.fsdp.local import (
     destroy_local_mesh,
     fake_mesh,
@@ -22,6 +22,7 @@ __all__ = [
     "ActivationCheckpointing",
     "FSDPConfig",
     "Precision",
+    "GradientSync",
     "ReshardPolicy",
     "apply_activation_checkpointing",
     "apply_fsdp",

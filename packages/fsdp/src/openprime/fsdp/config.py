@@ -28,6 +28,13 @@ class ReshardPolicy(enum.Enum):
     NEVER = "never"  # ZeRO-2-like: gathered parameters stay until backward; fastest, most memory
 
 
+class GradientSync(enum.Enum):
+    """When the gradient is reduce-scattered over the local ranks in a step of several micro-batches."""
+
+    LAST_MICRO_BATCH = "last_micro_batch"  # PRIME: one reduce-scatter a step; every GPU holds the whole gradient
+    EVERY_MICRO_BATCH = "every_micro_batch"  # torchtitan: one per micro-batch; gradients stay sharded
+
+
 class ActivationCheckpointing(enum.Enum):
     """Which activations are recomputed in backward instead of kept from forward."""
 
@@ -49,6 +56,10 @@ class FSDPConfig:
     reshard_after_forward: ReshardPolicy = field(ReshardPolicy.ALL_BUT_LAST,
                                                  doc="which blocks free their gathered parameters after forward",
                                                  validator=one_of_enum(ReshardPolicy))
+    gradient_sync: GradientSync = field(
+        GradientSync.LAST_MICRO_BATCH, doc="reduce-scatter gradients after the last micro-batch of a step (FSDP2 then "
+        "keeps the whole model's unsharded gradient on every GPU until it) or after every one (sharded, more traffic)",
+        validator=one_of_enum(GradientSync))
     activation_checkpointing: ActivationCheckpointing = field(
         ActivationCheckpointing.NONE, doc="recompute activations in backward: none or full (per block)",
         validator=one_of_enum(ActivationCheckpointing))

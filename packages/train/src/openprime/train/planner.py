@@ -17,10 +17,10 @@ PRIME do): parameters, gradients and AdamW's two moments are fp32 and sharded ov
 gathered, and the model computes in fp32); `activation_checkpointing` decides whether every block keeps all its
 activations or only its input; `train.micro_batch_size` is the batch of one forward, and when a rank's share
 takes more than one, the gradients accumulate unsharded, in `reduce_dtype`, for the whole model (the trainer
-reduce-scatters only after the last micro-batch, as PRIME does). INTELLECT-1 10B: 8 ranks, bf16, full
-checkpointing, micro-batch 1 (16 accumulated: 38 GiB of fp32 gradients on every GPU). Everything here
-is an estimate of the steady state: allocator fragmentation, CUDA context and NCCL buffers (a few GiB)
-are left out, so treat "fits" with less than ~10% to spare as "probably not".
+reduce-scatters only after the last micro-batch, as PRIME does; `fsdp.gradient_sync=every_micro_batch` keeps it
+sharded). INTELLECT-1 10B: 8 ranks, bf16, full checkpointing, micro-batch 1 (16 accumulated: 38 GiB of fp32
+gradients on every GPU). Everything here is an estimate of the steady state: allocator fragmentation, CUDA
+context and NCCL buffers (a few GiB) are left out, so treat "fits" with less than ~10% to spare as "probably not".
 
 `check_fits` turns a plan that does not fit into a ConfigError that says by how much and which change
 of the config (more local ranks, activation checkpointing, a smaller micro-batch) would make it fit.
@@ -36,7 +36,7 @@ import attrs
 from openprime.core.collectives import SEGMENT_NUMEL
 from openprime.core.errors import ConfigError
 from openprime.diloco.config import Compression
-from openprime.fsdp import ActivationCheckpointing, Precision, ReshardPolicy
+from openprime.fsdp import ActivationCheckpointing, GradientSync, Precision, ReshardPolicy
 from openprime.train.config import RunConfig, Strategy
 from openprime.train.model import count_parameters, num_flops_per_token
 
@@ -219,11 +219,13 @@ def compute_dtype(cfg: RunConfig) -> Precision:
 def accumulates_unsharded(cfg: RunConfig) -> bool:
     """Whether every GPU holds an unsharded gradient of the whole model: FSDP2 with gradient accumulation.
 
-    openprime.train.trainer.train_step turns FSDP2's gradient sync off for all micro-batches but the last (as
-    PRIME did), and FSDP2 then keeps each unit's unsharded gradient, cast to `reduce_dtype`, from one backward to
-    the next (FSDPParam.unsharded_accumulated_grad) until the last micro-batch reduce-scatters it.
+    With fsdp.gradient_sync=last_micro_batch (as PRIME did) openprime.train.trainer.train_step turns FSDP2's
+    gradient sync off for all micro-batches but the last, and FSDP2 then keeps each unit's unsharded gradient, cast
+    to `reduce_dtype`, from one backward to the next (FSDPParam.unsharded_accumulated_grad) until the last
+    micro-batch reduce-scatters it. With every_micro_batch each backward reduce-scatters into the sharded gradient.
     """
-    return cfg.fsdp.sharded and cfg.num_micro_batches > 1
+    return (cfg.fsdp.sharded and cfg.num_micro_batches > 1
+            and cfg.fsdp.gradient_sync is GradientSync.LAST_MICRO_BATCH)
 
 
 def gpu_memory(cfg: RunConfig) -> dict[str, float]:
@@ -306,6 +308,12 @@ def _remedies(cfg: RunConfig, device: GPU) -> str:
     full_ac = attrs.evolve(cfg, fsdp=attrs.evolve(cfg.fsdp, activation_checkpointing=ActivationCheckpointing.FULL))
     if cfg.fsdp.activation_checkpointing is ActivationCheckpointing.NONE:
         changes.append(f"activation checkpointing: --set fsdp.activation_checkpointing=full ({need(full_ac)})")
+    if accumulates_unsharded(cfg):
+        # One reduce-scatter per micro-batch instead of per step (inside the node: NVLink's hundreds of GB/s)
+        # keeps the gradient sharded: 4P x (1 - 1/R) bytes less, 33 GiB at 10B over 8 ranks.
+        every = attrs.evolve(cfg, fsdp=attrs.evolve(cfg.fsdp, gradient_sync=GradientSync.EVERY_MICRO_BATCH))
+        changes.append(f"sharded gradients: --set fsdp.gradient_sync=every_micro_batch ({need(every)}; "
+                       f"{cfg.num_micro_batches} reduce-scatters a step instead of 1)")
     # A smaller micro-batch shrinks the activations, but from one forward per inner step (micro_batch_size 0, or the
     # whole share) it starts gradient accumulation, whose unsharded gradient can cost more than it saves.
     one = with_node(cfg, micro_batch_size=1)
@@ -313,11 +321,13 @@ def _remedies(cfg: RunConfig, device: GPU) -> str:
         changes.append(f"a smaller micro-batch: --set train.micro_batch_size=1 "
                        f"({need(one)})")
     if ranks is None:  # no number of ranks alone: all the changes together
-        leanest = with_node(full_ac, micro_batch_size=1)
+        leanest = with_node(attrs.evolve(full_ac, fsdp=attrs.evolve(full_ac.fsdp,
+                                                                   gradient_sync=GradientSync.EVERY_MICRO_BATCH)),
+                            micro_batch_size=1)
         together = _fitting_ranks(leanest, device)
         if together is not None:
             changes.append(f"all together: --set fsdp.activation_checkpointing=full --set train.micro_batch_size=1 "
-                           f"--set fsdp.num_local_ranks={together} "
+                           f"--set fsdp.gradient_sync=every_micro_batch --set fsdp.num_local_ranks={together} "
                            f"({need(with_node(leanest, gpus_per_node=together))})")
     return f"To fit, change: {'; '.join(changes)}; or use GPUs with more memory" if changes else \
         "No number of local ranks, recomputation or micro-batch makes it fit: use GPUs with more memory"

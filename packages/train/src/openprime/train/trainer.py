@@ -30,6 +30,7 @@ from openprime.core.errors import ConfigError, OpenPrimeError
 from openprime.core.transport import Rendezvous
 from openprime.diloco import DiLoCo, OuterStepResult
 from openprime.fsdp import (
+    GradientSync,
     destroy_local_mesh,
     gradient_sync,
     init_local_mesh,
@@ -163,7 +164,8 @@ def train_step(model: Llama, opt: torch.optim.Optimizer, sched: torch.optim.lr_s
                inputs_BL: torch.Tensor, targets_BL: torch.Tensor, cfg: RunConfig, *, local_rank: int,
                sync_gradients: Callable[[], None] | None = None) -> tuple[float, float]:
     """One inner step on this local rank's share of the node's batch: forward and backward per micro-batch
-    (gradients reduce-scattered over the local ranks only after the last), clip, AdamW, schedule. An update
+    (gradients reduce-scattered over the local ranks after the last, or after each: fsdp.gradient_sync), clip,
+    AdamW, schedule. An update
     whose gradient norm is NaN or inf is skipped (openprime.train.guard); the schedule moves on regardless.
 
     Each rank takes rows [r * B / R, (r + 1) * B / R) of the node's B sequences. Every micro-batch loss is
@@ -178,7 +180,7 @@ def train_step(model: Llama, opt: torch.optim.Optimizer, sched: torch.optim.lr_s
     ce = 0.0
     for i, (micro_inputs_BL, micro_targets_BL) in enumerate(
             zip(inputs_BL[rows].chunk(num_micro), targets_BL[rows].chunk(num_micro), strict=True)):
-        gradient_sync(model, i == num_micro - 1)
+        gradient_sync(model, i == num_micro - 1 or cfg.fsdp.gradient_sync is GradientSync.EVERY_MICRO_BATCH)
         loss = loss_with_max_z(model(micro_inputs_BL), micro_targets_BL, cfg.train.z_loss_weight)
         (loss.total / num_micro).backward()
         ce += loss.ce.item() / num_micro
