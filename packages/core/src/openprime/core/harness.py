@@ -12,6 +12,7 @@ import multiprocessing as mp
 import os
 import queue as queue_mod
 import signal
+import socket
 import threading
 import time
 import traceback
@@ -224,6 +225,13 @@ class ForwardingTransport(Transport):
 
     def close(self) -> None:
         self.inner.close()
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that was free a moment ago (nothing listens there: a connect to it is refused)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def await_stopped(pid: int, what: str, timeout_s: float = 10.0) -> None:

@@ -26,7 +26,7 @@ from openprime.core.auth import AuthConfig
 from openprime.core.collectives import all_gather_object, ring_all_reduce
 from openprime.core.distributed import connect_store, gloo_group, host_store
 from openprime.core.errors import ConfigError, PeerFailure
-from openprime.core.harness import KILLED, GroupContext, await_stopped, run_group
+from openprime.core.harness import KILLED, GroupContext, await_stopped, free_port, run_group
 from openprime.core.shaping import LinkShaping
 from openprime.core.streams import StreamTransportConfig
 from openprime.core.transport import Rendezvous, Transport, TransportFactory
@@ -425,7 +425,7 @@ def _body_reconnect_refused_while_the_peer_sends(transport, ctx: GroupContext) -
     with link.lock:
         link.broken = True
     address = transport._store.get("addr/0").decode()
-    transport._store.set("addr/0", f"{address.rsplit(':', 1)[0]}:{_closed_port()}")
+    transport._store.set("addr/0", f"{address.rsplit(':', 1)[0]}:{free_port()}")
     with contextlib.suppress(PeerFailure):
         transport._connected(0, time.monotonic() + 10)
         raise AssertionError("a connect to a closed port succeeded")
@@ -434,14 +434,6 @@ def _body_reconnect_refused_while_the_peer_sends(transport, ctx: GroupContext) -
     waiting.wait()
     got.append(int(buf.item()))
     return got
-
-
-def _closed_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _freeze_self(ctx: GroupContext) -> None:

@@ -11,13 +11,13 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from openprime.core.harness import free_port  # noqa: F401  (the tests take it from here too)
 from openprime.train.metrics import METRICS_FILE, MetricsTail, read_records
 
 Records = list[dict[str, Any]]
@@ -91,13 +91,6 @@ def process_ended(pid: int) -> bool:
 def node_pids(records: Records) -> list[int]:
     """The process ids of the nodes that started, from their ids (hostname-pid-random) in the start records."""
     return [int(r["node_id"].rsplit("-", 2)[1]) for r in records if r["kind"] == "start"]
-
-
-def free_port() -> int:
-    """A TCP port of 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve_coordinator(port: int, *, min_nodes: int, store_port: int | None = None,
