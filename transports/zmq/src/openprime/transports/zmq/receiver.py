@@ -142,9 +142,10 @@ class Receiver:
         self._mailbox.peer_lost(peer, reason)
 
     def lose_unless_connected(self, peer: int, reason: str) -> None:
-        """`lose`, unless `peer` has a connection to this rank (a connect to it failed): it sends over that, and its
-        death or goodbye is seen there, after what it sent before. Called from another thread: `_ready` is only
-        read (one lookup under the GIL); a handshake registered just after it fails what waits, as before."""
+        """`lose`, unless `peer` has a connection to this rank (a connect to it failed, or a DEALER to it ended): it
+        sends over that, and its death or goodbye is seen there, after what it sent before. Also called from the
+        transport's connect threads: `_ready` is only read (one lookup under the GIL); a handshake registered just
+        after it fails what waits, as before."""
         if not self._ready.get(peer):
             self.lose(peer, reason)
 
@@ -255,8 +256,8 @@ class Receiver:
                 del self._watched[monitor]
                 monitor.close(linger=0)
                 return
-            if self._link_lost(peer, generation) and not self._ready.get(peer):
-                self.lose(peer, "the connection to the peer ended: it closed or died")
+            if self._link_lost(peer, generation):
+                self.lose_unless_connected(peer, "the connection to the peer ended: it closed or died")
 
     def _new_conn(self, ident: bytes, frame: zmq.Frame) -> _Conn:
         # Catch up with the monitor first: this connection's accept event has been emitted by now.
