@@ -393,4 +393,32 @@ def test_a_smaller_micro_batch_is_not_offered_when_accumulating_costs_more(ten_b
     assert plan.gpu_bytes == 12 * P / 8 + 4 * P / 8 + GATHERED + 2 * (BLOCK_INPUTS + ONE_BLOCK + LOGITS)  # 47.9 GiB
     with pytest.raises(ConfigError) as e:
         check_fits(cfg, small)
-    assert "does not fit one 40 GiB GPU" in str(e.value) and "micro_batch_size=1" not in str(e.value), str(e.value)
+    message = str(e.value)
+    assert "does not fit one 40 GiB GPU" in message and "a smaller micro-batch" not in message, message
+    # With the gradient sharded per micro-batch it does help, at the node's 8 ranks (the remedy asked for 16 ranks,
+    # more than a node's 8 GPUs, before 2026-12-07).
+    assert message.endswith("To fit, change: all together: --set fsdp.activation_checkpointing=full --set "
+                            "train.micro_batch_size=1 --set fsdp.gradient_sync=every_micro_batch (36.2 GiB); or use "
+                            "GPUs with more memory"), message
+
+
+def test_remedies_ask_for_no_more_local_ranks_than_a_node_has_gpus(ten_b):
+    # A 32 GiB GPU: the 10B recipe fits only all changes together over 16 ranks (26.7 GiB), and the remedy asked for
+    # them; a node has 8 GPUs (or, on CUDA, as many as the machine shows), so nothing fits and it says so.
+    small = GPU(name="32 GiB GPU", memory_bytes=32 * GiB, peak_flops=989e12)
+    with pytest.raises(ConfigError) as e:
+        check_fits(ten_b, small)
+    message = str(e.value)
+    assert "num_local_ranks" not in message, message
+    assert ("Nothing fits it, not even all of these together with up to 8 local ranks (the GPUs of a node): sharded "
+            "gradients: --set fsdp.gradient_sync=every_micro_batch (36.2 GiB, not enough alone; 16 reduce-scatters a "
+            "step instead of 1). Use GPUs with more memory") in message, message
+    with pytest.raises(ConfigError) as e:
+        check_fits(ten_b, small, max_local_ranks=16)  # a machine that shows 16 GPUs
+    assert "--set fsdp.gradient_sync=every_micro_batch --set fsdp.num_local_ranks=16 (26.7 GiB)" in str(e.value)
+    # One rank on a machine that shows 4 H100s: 8 ranks alone would fit (69.5 GiB), 4 only with every change.
+    one_rank = _evolve(ten_b, num_local_ranks=1)
+    with pytest.raises(ConfigError) as e:
+        check_fits(one_rank, "h100", max_local_ranks=4)
+    assert "more local ranks" not in str(e.value), str(e.value)
+    assert "--set fsdp.gradient_sync=every_micro_batch --set fsdp.num_local_ranks=4 (55.3 GiB)" in str(e.value)

@@ -107,7 +107,7 @@ def check_hardware(cfg: RunConfig, *, num_nodes: int = 1, device_type: str | Non
     ranks = cfg.fsdp.num_local_ranks
     check_local_ranks(cfg.fsdp, device_type=device_type)
     gpu = visible_gpu(ranks)
-    check_fits(cfg, gpu)
+    check_fits(cfg, gpu, max_local_ranks=torch.cuda.device_count())
     num_devices, one = torch.cuda.device_count(), gpu_bytes(cfg)
     blocks = device_blocks(num_devices, ranks)
     per_gpu = -(-num_nodes // blocks)

@@ -44,6 +44,9 @@ GiB = 2**30
 NO_COMM_MFU = 0.433  # INTELLECT-1's MFU without communication (Table 2, "Baseline")
 CODEBOOK_BYTES = 256 * 4  # the int8 codec's codebook: 256 fp32 bucket means per encoded segment
 BF16, FP32 = 2, 4
+# The most local ranks a remedy asks for: the GPUs of one NVLink board (HGX/DGX H100, H200, B200: 8). FSDP2 inside a
+# node shards over NVLink; past the board it would shard over the network DiLoCo is there to spare.
+MAX_LOCAL_RANKS = 8
 
 
 @attrs.frozen(kw_only=True)
@@ -277,8 +280,9 @@ def gpu_bytes(cfg: RunConfig) -> float:
     return sum(gpu_memory(cfg).values())
 
 
-def check_fits(cfg: RunConfig, gpu: str | GPU) -> None:
-    """Raise a ConfigError if one GPU cannot hold its share of `cfg`, saying by how many GiB and what to change."""
+def check_fits(cfg: RunConfig, gpu: str | GPU, *, max_local_ranks: int = MAX_LOCAL_RANKS) -> None:
+    """Raise a ConfigError if one GPU cannot hold its share of `cfg`, saying by how many GiB and what to change;
+    `max_local_ranks`: the GPUs a node has, the most local ranks a change may ask for."""
     device = gpu_named(gpu)
     memory = gpu_memory(cfg)
     need = sum(memory.values())
@@ -291,52 +295,61 @@ def check_fits(cfg: RunConfig, gpu: str | GPU) -> None:
         f"needs {need / GiB:.1f} GiB, {(need - device.memory_bytes) / GiB:.1f} GiB more than its "
         f"{device.memory_bytes / GiB:.0f} GiB (weights, gradients and AdamW state {state / GiB:.1f} GiB, gathered "
         f"units {memory['gathered_bytes'] / GiB:.1f} GiB, activations {memory['activations_bytes'] / GiB:.1f} GiB). "
-        f"{_remedies(cfg, device)}")
+        f"{_remedies(cfg, device, max_local_ranks=max(max_local_ranks, ranks))}")
 
 
-def _remedies(cfg: RunConfig, device: GPU) -> str:
-    """What to change in `cfg` to fit `device`: each single change that helps, with what one GPU would then need."""
-    def need(changed: RunConfig) -> str:
-        n = gpu_bytes(changed)
-        return f"{n / GiB:.1f} GiB{'' if n <= device.memory_bytes else ', not enough alone'}"
-
-    changes = []
-    ranks = _fitting_ranks(cfg, device)
+def _remedies(cfg: RunConfig, device: GPU, *, max_local_ranks: int) -> str:
+    """What to change in `cfg` to fit `device`: each single change that helps, with what one GPU would then need;
+    when none is enough alone, all of them together (with more local ranks, up to `max_local_ranks`, if need be)."""
+    changes: list[tuple[str, RunConfig, str]] = []  # (the change, the config it gives, what else it costs)
+    ranks = _fitting_ranks(cfg, device, max_local_ranks)
     if ranks is not None:
-        changes.append(f"more local ranks: --set fsdp.num_local_ranks={ranks} "
-                       f"({need(with_node(cfg, gpus_per_node=ranks))})")
+        changes.append((f"more local ranks: --set fsdp.num_local_ranks={ranks}", with_node(cfg, gpus_per_node=ranks),
+                        ""))
     full_ac = attrs.evolve(cfg, fsdp=attrs.evolve(cfg.fsdp, activation_checkpointing=ActivationCheckpointing.FULL))
     if cfg.fsdp.activation_checkpointing is ActivationCheckpointing.NONE:
-        changes.append(f"activation checkpointing: --set fsdp.activation_checkpointing=full ({need(full_ac)})")
+        changes.append(("activation checkpointing: --set fsdp.activation_checkpointing=full", full_ac, ""))
     if accumulates_unsharded(cfg):
         # One reduce-scatter per micro-batch instead of per step (inside the node: NVLink's hundreds of GB/s)
         # keeps the gradient sharded: 4P x (1 - 1/R) bytes less, 33 GiB at 10B over 8 ranks.
         every = attrs.evolve(cfg, fsdp=attrs.evolve(cfg.fsdp, gradient_sync=GradientSync.EVERY_MICRO_BATCH))
-        changes.append(f"sharded gradients: --set fsdp.gradient_sync=every_micro_batch ({need(every)}; "
-                       f"{cfg.num_micro_batches} reduce-scatters a step instead of 1)")
+        changes.append(("sharded gradients: --set fsdp.gradient_sync=every_micro_batch", every,
+                        f"; {cfg.num_micro_batches} reduce-scatters a step instead of 1"))
     # A smaller micro-batch shrinks the activations, but from one forward per inner step (micro_batch_size 0, or the
     # whole share) it starts gradient accumulation, whose unsharded gradient can cost more than it saves.
     one = with_node(cfg, micro_batch_size=1)
     if cfg.forward_batch_size > 1 and gpu_bytes(one) < gpu_bytes(cfg):
-        changes.append(f"a smaller micro-batch: --set train.micro_batch_size=1 "
-                       f"({need(one)})")
-    if ranks is None:  # no number of ranks alone: all the changes together
+        changes.append(("a smaller micro-batch: --set train.micro_batch_size=1", one, ""))
+    alone = any(gpu_bytes(changed) <= device.memory_bytes for _, changed, _ in changes)
+    if not alone:  # all the changes together, with more local ranks if need be
         leanest = with_node(attrs.evolve(full_ac, fsdp=attrs.evolve(full_ac.fsdp,
                                                                    gradient_sync=GradientSync.EVERY_MICRO_BATCH)),
                             micro_batch_size=1)
-        together = _fitting_ranks(leanest, device)
+        together = cfg.fsdp.num_local_ranks if gpu_bytes(leanest) <= device.memory_bytes else \
+            _fitting_ranks(leanest, device, max_local_ranks)
         if together is not None:
-            changes.append(f"all together: --set fsdp.activation_checkpointing=full --set train.micro_batch_size=1 "
-                           f"--set fsdp.gradient_sync=every_micro_batch --set fsdp.num_local_ranks={together} "
-                           f"({need(with_node(leanest, gpus_per_node=together))})")
-    return f"To fit, change: {'; '.join(changes)}; or use GPUs with more memory" if changes else \
-        "No number of local ranks, recomputation or micro-batch makes it fit: use GPUs with more memory"
+            more = f" --set fsdp.num_local_ranks={together}" if together != cfg.fsdp.num_local_ranks else ""
+            changes.append((f"all together: --set fsdp.activation_checkpointing=full --set train.micro_batch_size=1 "
+                            f"--set fsdp.gradient_sync=every_micro_batch{more}",
+                            with_node(leanest, gpus_per_node=together), ""))
+            alone = True
+    listed = "; ".join(f"{change} ({gpu_bytes(changed) / GiB:.1f} GiB"
+                       f"{'' if gpu_bytes(changed) <= device.memory_bytes else ', not enough alone'}{note})"
+                       for change, changed, note in changes)
+    if alone:
+        return f"To fit, change: {listed}; or use GPUs with more memory"
+    if changes:
+        return (f"Nothing fits it, not even all of these together with up to {max_local_ranks} local ranks (the GPUs "
+                f"of a node): {listed}. Use GPUs with more memory")
+    return (f"No number of local ranks up to {max_local_ranks} (the GPUs of a node), recomputation or micro-batch "
+            f"makes it fit: use GPUs with more memory")
 
 
-def _fitting_ranks(cfg: RunConfig, device: GPU) -> int | None:
-    """The fewest local ranks above the config's that split the batch and make one GPU's share fit."""
+def _fitting_ranks(cfg: RunConfig, device: GPU, max_local_ranks: int) -> int | None:
+    """The fewest local ranks above the config's, up to `max_local_ranks`, that split the batch and make one GPU's
+    share fit."""
     micro = cfg.train.micro_batch_size
-    for ranks in range(cfg.fsdp.num_local_ranks + 1, cfg.train.batch_size + 1):
+    for ranks in range(cfg.fsdp.num_local_ranks + 1, min(cfg.train.batch_size, max_local_ranks) + 1):
         share, rest = divmod(cfg.train.batch_size, ranks)
         if rest or (micro and share % micro):
             continue
