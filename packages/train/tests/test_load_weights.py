@@ -98,3 +98,18 @@ def test_a_named_step_is_read_from_that_step_only(tmp_path):
                                                  r"SHA-256.*; step 40 slot-1: .*SHA-256"):
         load_model_weights(step_dir(tmp_path, 40))
     assert load_model_weights(tmp_path)[2] == step_dir(tmp_path, 20) / "slot-0"  # the root falls back
+
+
+def test_a_step_without_a_whole_node_names_the_missing_parts_not_how_to_resume(tmp_path):
+    # A node of 2 local ranks whose rank 1 never finished saving: the export's error advised "--nodes 1; more nodes
+    # can join with --join and no --resume", a launch's words, about a command that launches nothing.
+    parts = ("slot-0-rank-0", "slot-0-rank-1")
+    model = Llama(DEBUG)
+    model.init_weights(seed=1)
+    write_part(tmp_path, 20, parts[0], {"model": model.state_dict(), "model_config": to_dict(DEBUG)}, parts=parts)
+    with pytest.raises(CheckpointNotFound) as e:
+        load_model_weights(tmp_path)
+    message = str(e.value)
+    assert "it holds 0 whole node(s) here (none) of the 1 that saved it (a node's parts are one per local rank; " \
+           "missing here: slot-0-rank-1)" in message, message
+    assert "--nodes" not in message and "--join" not in message, message

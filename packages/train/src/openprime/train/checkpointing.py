@@ -81,19 +81,25 @@ def whole_nodes(parts: Sequence[str], named: Sequence[str]) -> list[list[str]]:
     return [names for names in _by_node(named) if all(name in have for name in names)]
 
 
-def nodes_here(num_nodes: int) -> PartsCheck:
+def nodes_here(num_nodes: int, *, resuming: bool = True) -> PartsCheck:
     """A step is usable on this machine when it holds the whole parts of at least `num_nodes` nodes of it.
 
     A run whose machines checkpoint to their own disks holds only its own nodes' parts on each machine, so
-    this is what a machine can resume from (a shared disk holds every node's)."""
+    this is what a machine can resume from (a shared disk holds every node's). `resuming`: the refusal says how a
+    launch goes on without those nodes' parts; otherwise (an export: one node's parts hold the weights) it names the
+    parts that are missing."""
     def enough(parts: tuple[str, ...], named: tuple[str, ...]) -> str | None:
         found = whole_nodes(parts, named)
         if len(found) >= num_nodes:
             return None
         held = ", ".join(f"slot {slot_of_part(names[0])}" for names in found) or "none"
-        return (f"it holds {len(found)} whole node(s) here ({held}) of the {len(_by_node(named))} that saved it, "
-                f"and {num_nodes} are to resume from it (--nodes {num_nodes}; more nodes can join with --join and "
-                f"no --resume: they take the state from a peer)")
+        saved = f"it holds {len(found)} whole node(s) here ({held}) of the {len(_by_node(named))} that saved it"
+        if resuming:
+            return (f"{saved}, and {num_nodes} are to resume from it (--nodes {num_nodes}; more nodes can join with "
+                    f"--join and no --resume: they take the state from a peer)")
+        missing = sorted(set(named) - set(parts))
+        return (f"{saved} (a node's parts are one per local rank; missing here: {', '.join(missing[:4])}"
+                f"{f' and {len(missing) - 4} more' if len(missing) > 4 else ''})")
     return enough
 
 
@@ -115,7 +121,8 @@ def saved_nodes(root: pathlib.Path, step: int, *, checksums: bool = False) -> li
     """The parts of the nodes of step `step` under `root` whose parts all finished saving (manifests checked, and
     with `checksums` every file's SHA-256), by node; raises CorruptCheckpoint (IncompleteCheckpoint: no node
     finished) or OSError."""
-    return parts_by_node(usable_nodes(verify_step(root, step, checksums=checksums, enough=nodes_here(1))))
+    return parts_by_node(usable_nodes(verify_step(root, step, checksums=checksums,
+                                                  enough=nodes_here(1, resuming=False))))
 
 
 def num_nodes_saved(root: pathlib.Path, step: int) -> int:
