@@ -320,6 +320,43 @@ def test_dry_run_of_a_model_that_does_not_fit_says_by_how_much(capsys):
     assert not torch.distributed.is_initialized()
 
 
+def _debug_checkpoint(root: pathlib.Path, step: int, model_cfg) -> pathlib.Path:
+    """One node's part of a checkpoint of `model_cfg` as a node saves it (what a resume checks before starting)."""
+    from openprime.ckpt import write_part
+    from openprime.core.config import to_dict
+    from openprime.train.model import Llama
+
+    model = Llama(model_cfg)
+    write_part(root, step, "slot-0", {"model": model.state_dict(), "model_config": to_dict(model_cfg)},
+               parts=("slot-0",))
+    return root / f"step-{step:08d}"
+
+
+def test_dry_run_checks_the_checkpoint_it_would_resume_from(capsys, tmp_path):
+    # `--dry-run --resume` ignored the resume and exited 0, even for a checkpoint that does not exist.
+    from openprime.train.model import FLAVORS
+
+    assert main(["run", DEBUG, "--dry-run", "--resume", str(tmp_path / "nowhere")]) == 2
+    captured = capsys.readouterr()
+    assert "run 'debug'" in captured.out  # the plan is printed first
+    assert captured.err.startswith("openprime: error: ") and str(tmp_path / "nowhere") in captured.err, captured.err
+    saved = _debug_checkpoint(tmp_path / "ckpt", 40, FLAVORS["debug"])
+    assert main(["run", DEBUG, "--dry-run", "--resume", str(saved)]) == 0
+    out = capsys.readouterr().out
+    assert f"resume: from {saved} (step 40, 1 node(s) saved it; checksums verified, the model and local ranks match " \
+           f"the recipe); its data layout is checked when the run starts" in out, out
+    # What the launch refuses, the dry run refuses: another model, other local ranks, a damaged file.
+    assert main(["run", DEBUG, "--dry-run", "--resume", str(saved), "--set", "model.norm_eps=1e-6"]) == 2
+    assert "was saved from another model: model.norm_eps" in capsys.readouterr().err
+    assert main(["run", DEBUG, "--dry-run", "--resume", str(saved), "--set", "fsdp.num_local_ranks=2"]) == 2
+    assert "resume with --set fsdp.num_local_ranks=1" in capsys.readouterr().err
+    data_file = next((saved / "slot-0").glob("*.distcp"))
+    data_file.write_bytes(data_file.read_bytes()[:-1])
+    assert main(["run", DEBUG, "--dry-run", "--resume", str(saved)]) == 2
+    assert f"openprime: error: checkpoint {saved} is corrupt: part slot-0 is corrupt: file {data_file.name} has " \
+           in capsys.readouterr().err
+
+
 def test_run_checks_the_gpus_before_starting(capsys, tmp_path, monkeypatch):
     """On a machine with CUDA, `openprime run` refuses a model that does not fit its GPUs, and more local ranks
     than GPUs, before it writes or starts anything; on CPU there is nothing to check."""

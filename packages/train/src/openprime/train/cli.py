@@ -13,7 +13,8 @@ wins over both. The config is built and validated before any process starts, and
 command with one message naming the field; on a machine with CUDA, `run` also checks that there is a GPU
 for every local rank and that the planner's memory per GPU fits (openprime.train.hardware). `--dry-run`
 builds the model on the meta device, applies the FSDP2 plan over a fake group of the node's local ranks,
-prints the shards and the plan for H100s, and fails the same way if the model does not fit them.
+prints the shards and the plan for H100s, and fails the same way if the model does not fit them; with `--resume`
+it checks the checkpoint as the launch would (checksums, model, local ranks), all but the data layout.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="continue from a checkpoint: `latest` (the newest complete one of --run-dir) or the "
                           "path of a checkpoint step directory or root")
     run.add_argument("--dry-run", action="store_true",
-                     help="build the config and the model on the meta device, print them, start nothing")
+                     help="build the config and the model on the meta device, print them, start nothing; with "
+                          "--resume, check the checkpoint too")
     mesh = commands.add_parser("mesh", help="membership services").add_subparsers(dest="mesh_command", required=True)
     serve = mesh.add_parser("serve", help="run a standalone coordinator for a multi-machine run")
     serve.add_argument("--bind", default="tcp://0.0.0.0:29500", help="address to listen on (default tcp://0.0.0.0:29500)")
@@ -301,6 +303,20 @@ def dry_run(cfg: RunConfig, num_nodes: int) -> None:
     planner.check_fits(cfg, plan.gpu)
 
 
+def dry_run_resume(args: argparse.Namespace, cfg: RunConfig) -> None:
+    """`--dry-run --resume`: the checkpoint the launch would resume from, found and checked (checksums, model, local
+    ranks, later steps) as the launch checks it; the data layout is left to the launch (a dry run reads no data).
+    Raises what the launch's check would."""
+    from openprime.train.checkpointing import parts_by_node
+
+    # Without --run-dir the launch makes a new run directory (no steps of its own).
+    found, _ = _resume_checkpoint(args, cfg, args.run_dir.resolve() if args.run_dir else None, skipped={})
+    nodes = parts_by_node(found)
+    print(f"resume: from {found.path} (step {found.step}, {len(nodes)} node(s) saved it"
+          f"{f', {len(nodes[0])} local ranks each' if len(nodes[0]) > 1 else ''}; checksums verified, the model and "
+          f"local ranks match the recipe); its data layout is checked when the run starts")
+
+
 class _SayOnStderr(logging.Handler):
     """A library's word meant for the person at the command (openprime.ckpt's "checking the checksums of ...
     about 200 s" before a resume's nodes start), as one of the command's own lines."""
@@ -350,6 +366,11 @@ def _main(argv: list[str] | None) -> int:
         check_secrets(cfg)
         if args.dry_run:
             dry_run(cfg, args.nodes)
+            if args.resume:  # it was ignored: a dry run said nothing of a checkpoint that could not be resumed
+                try:
+                    dry_run_resume(args, cfg)
+                except OpenPrimeError as e:  # CheckpointNotFound, CorruptCheckpoint: as the launch says them
+                    return _error(str(e))
             return 0
         check_hardware(cfg, num_nodes=args.nodes)  # on CUDA: GPUs for the local ranks, large enough for the nodes
         # The tokenizer and the token streams (cached): a missing dataset or an unwritable cache is said here,
@@ -512,26 +533,20 @@ def _check_shared_run_dir(cfg: RunConfig, run_dir: pathlib.Path, coordinator: st
     return 1 + max(int(r.get("node", 0)) for r in starts)
 
 
-def _resume_from(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path,
-                 prepared: PreparedData) -> tuple[Checkpoint, list[int]]:
-    """The checkpoint that `--resume` names, checked against the nodes asked for, and the later steps of another
-    timeline to set aside (`_set_aside`) if the launch goes ahead."""
-    from openprime.ckpt import abandoned_steps
-    from openprime.train.checkpointing import (
-        checkpoint_root,
-        data_layout_changes,
-        find_checkpoint,
-        model_changes,
-        nodes_here,
-        parts_by_node,
-    )
+def _resume_checkpoint(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path | None,
+                       skipped: dict[int, Exception]) -> tuple[Checkpoint, list[int]]:
+    """The checkpoint that `--resume` names (checksums verified), checked against the recipe's model and local ranks
+    and against the launch's checkpoint directory; and the later steps in that directory. `run_dir`: the launch's
+    (None: one yet to be made); `skipped`: filled as find_checkpoint's."""
+    from openprime.train.checkpointing import checkpoint_root, find_checkpoint, model_changes, parts_by_node
 
     if args.resume == "latest" and args.run_dir is None and not cfg.checkpoint.directory:
         raise ConfigError("--resume latest needs the --run-dir of the run to continue")
-    skipped: dict[int, Exception] = {}  # why each later step was not taken (their checksums checked)
-    found = find_checkpoint(args.resume, cfg.checkpoint, run_dir, num_nodes=args.nodes, skipped=skipped)
-    root = checkpoint_root(cfg.checkpoint, run_dir)
-    later = [step for step in list_steps(root) if step > found.step]
+    # A run directory yet to be made holds no checkpoints: only a path or checkpoint.directory are looked at.
+    where = run_dir or pathlib.Path("runs").resolve()
+    found = find_checkpoint(args.resume, cfg.checkpoint, where, num_nodes=args.nodes, skipped=skipped)
+    root = checkpoint_root(cfg.checkpoint, where)
+    later = [step for step in list_steps(root) if step > found.step] if run_dir or cfg.checkpoint.directory else []
     if args.resume != "latest" and later:
         raise ConfigError(f"{root}, where this run saves, holds checkpoints of steps {later} after the one resumed "
                           f"({found.path}, step {found.step}): this run's saves would mix with them, and a later "
@@ -551,6 +566,20 @@ def _resume_from(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path
     first_part = found.part(nodes[0][0])
     check_compatible(first_part, {"model": expected})
     model_changes(part_info(first_part)["state"]["model_config"], cfg.model, where=f"checkpoint {found.path}")
+    return found, later
+
+
+def _resume_from(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path,
+                 prepared: PreparedData) -> tuple[Checkpoint, list[int]]:
+    """The checkpoint that `--resume` names, checked against the nodes asked for, and the later steps of another
+    timeline to set aside (`_set_aside`) if the launch goes ahead."""
+    from openprime.ckpt import abandoned_steps
+    from openprime.train.checkpointing import checkpoint_root, data_layout_changes, nodes_here, parts_by_node
+
+    skipped: dict[int, Exception] = {}  # why each later step was not taken (their checksums checked)
+    found, later = _resume_checkpoint(args, cfg, run_dir, skipped)
+    nodes, ranks = parts_by_node(found), cfg.fsdp.num_local_ranks
+    first_part = found.part(nodes[0][0])
     # The data layout's settings and token streams (prepared above), before any node starts (each node checks
     # its sequences per source as it loads).
     layout = {"seed": cfg.data.seed, "seq_len": cfg.train.seq_len, "num_slots": cfg.mesh.max_nodes,
@@ -570,6 +599,7 @@ def _resume_from(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path
     # checksums a second time.
     # Only under the run directory this launch holds locked: a checkpoint.directory elsewhere may be another live
     # run's, still writing those steps.
+    root = checkpoint_root(cfg.checkpoint, run_dir)
     if args.join or not root.resolve().is_relative_to(run_dir.resolve()):
         return found, []
     return found, abandoned_steps(root, later, enough=nodes_here(args.nodes), usable=nodes_here(1), skipped=skipped)
