@@ -292,3 +292,24 @@ def test_a_whole_record_written_after_a_short_write_is_read(tmp_path, monkeypatc
     assert [(r["kind"], r["step"]) for r in read_records(tmp_path)] == want
     assert [(r["kind"], r["step"]) for r in MetricsTail(tmp_path).poll()] == want
     assert [r["node"] for r in metrics.records_of_kind(tmp_path, "outer")] == [1]
+
+
+def test_a_record_cut_short_by_a_full_disk_is_counted_dropped_and_the_next_is_read_whole(tmp_path, monkeypatch,
+                                                                                        caplog):
+    # A write that fills the disk returns fewer bytes than asked: the record was torn, but it was not counted or said.
+    import os
+
+    from openprime.train import metrics
+
+    writer = MetricsWriter(tmp_path, node=1)
+    write = os.write
+    monkeypatch.setattr(metrics.os, "write", lambda fd, data: write(fd, data[:10]))  # 10 bytes, then the disk is full
+    with caplog.at_level("WARNING", logger="openprime.train.metrics"):
+        writer.write("outer", step=50, hash="ab")
+    monkeypatch.setattr(metrics.os, "write", write)
+    writer.write("outer", step=100, hash="cd")
+    writer.close()
+    assert writer.num_dropped == 1
+    assert "wrote 10 of the record's" in caplog.text and "training goes on" in caplog.text
+    # The torn bytes and the next record share a line; the reader takes the record from where it begins.
+    assert [r["step"] for r in read_records(tmp_path)] == [100]

@@ -48,8 +48,11 @@ class MetricsWriter:
 
     def write(self, kind: str, **fields: Any) -> None:
         record = {"kind": kind, "node": self.node, "time": round(time.time(), 3), **fields}
+        line = (json.dumps(record) + "\n").encode()
         try:
-            os.write(self._fd, (json.dumps(record) + "\n").encode())
+            written = os.write(self._fd, line)
+            if written < len(line):  # the disk filled within the record: the rest would land after other records
+                raise OSError(errno.ENOSPC, f"wrote {written} of the record's {len(line)} bytes")
         except OSError as e:  # a full disk (ENOSPC), a quota: training goes on without its records
             if not self.num_dropped:
                 log.warning("node %d: cannot write its metrics (%s); training goes on, its records are dropped "
