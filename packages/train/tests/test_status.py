@@ -143,3 +143,20 @@ def test_status_after_a_resume_from_an_older_step_shows_the_resumed_timeline_s_s
     assert cli.main(["status", str(run_dir)]) == 0
     out = capsys.readouterr().out
     assert out.endswith("  validation loss 6.0000 at step 30\n  checkpoints: newest step 30\n"), out
+
+
+def test_a_node_that_joined_and_left_before_its_first_inner_step_shows_the_step_it_joined_at(tmp_path, capsys):
+    # It read "step 0/40, loss nan": a node admitted at step 20 with the run's state, killed before its first step.
+    run_dir = _run_dir(tmp_path)
+    with (run_dir / "metrics.jsonl").open("a") as f:
+        for r in ({"kind": "start", "node": 2, "time": 1021.0, "step": 20, "joining": True},
+                  {"kind": "outer", "node": 2, "time": 1021.1, "step": 20, "outer_step": 2, "state_hash": "aa",
+                   "skipped": False, "bytes_sent": 0, "received_state": True},
+                  {"kind": "start", "node": 0, "time": 1022.0, "step": 10}):  # node 0 again: a resume at step 10
+            f.write(json.dumps(r) + "\n")
+    s = run_status(run_dir, now=1080.0)
+    assert [(n.node, n.step, n.loss) for n in s.nodes] == [(0, 10, None), (1, 20, 5.0), (2, 20, None)]
+    assert cli.main(["status", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "  node 2: step 20/40, no inner step yet, last record " in out, out
+    assert "  node 0: step 10/40, no inner step yet, last record " in out and "nan" not in out, out

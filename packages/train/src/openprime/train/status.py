@@ -28,8 +28,8 @@ class NodeStatus:
     """One node's latest records."""
 
     node: int
-    step: int
-    loss: float
+    step: int  # where its newest record puts it: an inner step, or the step it started, resumed or joined at
+    loss: float | None  # of its newest inner step; None before its first
     seconds_ago: float  # since its last record of any kind
     ended: bool  # it wrote its "end" record
     num_skipped: int  # inner steps skipped for a NaN/inf gradient
@@ -60,17 +60,23 @@ def run_status(run_dir: pathlib.Path, *, now: float | None = None) -> RunStatus:
     last: dict[int, dict[str, Any]] = {}
     last_step: dict[int, dict[str, Any]] = {}
     ended = set()
+    position: dict[int, int] = {}  # node -> the step of its newest record that names one
     for r in records:
         node = r["node"]
         last[node] = r
+        if isinstance(r.get("step"), int):
+            position[node] = r["step"]
         if r["kind"] == "step":
             last_step[node] = r
         elif r["kind"] == "end":
             ended.add(node)
         elif r["kind"] == "start":
             ended.discard(node)
-    nodes = [NodeStatus(node=node, step=last_step[node]["step"] if node in last_step else 0,
-                        loss=last_step[node]["loss"] if node in last_step else float("nan"),
+            last_step.pop(node, None)  # a node number another launch used before: its loss is not this one's
+    # A node that joined took the run's step with the state (its start and outer records say it); before 2026-12-07
+    # one that left before its first inner step read "step 0, loss nan".
+    nodes = [NodeStatus(node=node, step=position.get(node, 0),
+                        loss=last_step[node]["loss"] if node in last_step else None,
                         seconds_ago=now - r["time"], ended=node in ended,
                         num_skipped=summary.num_skipped.get(node, 0))
              for node, r in sorted(last.items())]
@@ -106,7 +112,8 @@ def format_status(s: RunStatus, run_dir: pathlib.Path) -> str:
     for n in s.nodes:
         state = "ended" if n.ended else f"last record {_ago(n.seconds_ago)}"
         skipped = f", {n.num_skipped} step(s) skipped for a NaN/inf gradient" if n.num_skipped else ""
-        lines.append(f"  node {n.node}: step {n.step}/{s.num_steps}, loss {n.loss:.4f}, {state}{skipped}")
+        loss = f"loss {n.loss:.4f}" if n.loss is not None else "no inner step yet"
+        lines.append(f"  node {n.node}: step {n.step}/{s.num_steps}, {loss}, {state}{skipped}")
     if not s.nodes:
         lines.append("  no node has written a record yet")
     if s.val_loss is not None:
