@@ -506,7 +506,8 @@ def test_export_of_a_run_loads_in_transformers_with_the_same_logits(stopped, tmp
 
     out = tmp_path / "hf"
     assert cli.main(["export", str(stopped), str(out)]) == 0  # in this process: the command's imports cost 3 s
-    assert "step-00000030" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "step-00000030" in said and "and the run's tokenizer" in said, said
     model_cfg, weights, _ = load_model_weights(stopped)
     ours = Llama(model_cfg)
     ours.init_weights(seed=0)
@@ -516,6 +517,24 @@ def test_export_of_a_run_loads_in_transformers_with_the_same_logits(stopped, tmp
     with torch.no_grad():
         diff = (hf(tokens_BL).logits - ours(tokens_BL)).abs().max().item()
     assert diff < 1e-4, diff
+    # The tokenizer the run trained on (the launch copied it into the run directory) encodes as the data did.
+    from openprime.train.data import load_tokenizer, prepare_data
+    from openprime.train.recipe import recipe_config
+
+    data_tokenizer = load_tokenizer(prepare_data(recipe_config(RECIPE, []).data))
+    text = "In the beginning God created the heaven and the earth.\nimport os\n"
+    assert transformers.AutoTokenizer.from_pretrained(out)(text)["input_ids"] == data_tokenizer.encode(text).ids
+    # Exported from a checkpoint step of the run, the tokenizer is found beside the run; from a run that has none
+    # (launched before 2026-12-08), the weights are exported and the output says what is missing.
+    step = stopped / "checkpoints" / "step-00000030"
+    assert cli.main(["export", str(step), str(tmp_path / "from-step")]) == 0
+    assert (tmp_path / "from-step" / "tokenizer.json").read_bytes() == (out / "tokenizer.json").read_bytes()
+    capsys.readouterr()
+    old = _copy(stopped, tmp_path / "old")
+    (old / "tokenizer.json").unlink()
+    assert cli.main(["export", str(old), str(tmp_path / "no-tokenizer")]) == 0
+    assert "without a tokenizer: no tokenizer.json in the run directory" in capsys.readouterr().out
+    assert sorted(p.name for p in (tmp_path / "no-tokenizer").iterdir()) == ["config.json", "model.safetensors"]
 
 
 @contextlib.contextmanager

@@ -236,3 +236,51 @@ def test_a_symbolic_link_to_nothing_is_refused_before_the_checkpoint_is_read(tmp
     assert cli.main(["export", str(tmp_path / "run"), str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err
     assert f"{tmp_path / 'hf'} is a symbolic link to {tmp_path / 'missing'}, which does not exist" in err, err
+
+
+def _tokenizer_file(tmp_path):
+    """A run's tokenizer.json: the byte-level BPE openprime.train.data trains, on a few documents."""
+    from openprime.train.data.prepare import train_tokenizer
+
+    documents = ["In the beginning God created the heaven and the earth.", "def f(x):\n    return x + 1\n"] * 20
+    path = tmp_path / "run" / "tokenizer.json"
+    path.parent.mkdir()
+    train_tokenizer(documents, vocab_size=300).save(str(path))
+    return path
+
+
+@pytest.mark.parametrize("existing_dir", [False, True], ids=["new", "empty"])
+def test_the_run_s_tokenizer_is_exported_for_auto_tokenizer(model, tmp_path, existing_dir):
+    # The export held the weights alone: the ids the model reads and writes meant nothing without the run's tokenizer,
+    # which only the data cache held.
+    from tokenizers import Tokenizer
+
+    from openprime.train.data import EOT_TOKEN
+
+    tokenizer = _tokenizer_file(tmp_path)
+    out_dir = tmp_path / "hf"
+    if existing_dir:
+        out_dir.mkdir()
+    write_hf_checkpoint(model.state_dict(), DEBUG, out_dir, tokenizer=tokenizer)
+    assert sorted(p.name for p in out_dir.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
+                                                          "tokenizer_config.json"]
+    ours = Tokenizer.from_file(str(tokenizer))
+    hf = transformers.AutoTokenizer.from_pretrained(out_dir)
+    text = "And God said, Let there be light: def g(y): return y"
+    assert hf(text)["input_ids"] == ours.encode(text).ids
+    assert hf.decode(ours.encode(text).ids) == text
+    eot_id = ours.token_to_id(EOT_TOKEN)
+    config = json.loads((out_dir / "config.json").read_text())
+    assert hf.eos_token == EOT_TOKEN and hf.eos_token_id == eot_id == config["eos_token_id"] == 0
+    assert transformers.AutoConfig.from_pretrained(out_dir).eos_token_id == 0
+
+
+def test_a_tokenizer_without_the_end_of_text_token_is_refused(model, tmp_path):
+    from tokenizers import Tokenizer, models
+
+    tokenizer = tmp_path / "tokenizer.json"
+    Tokenizer(models.BPE()).save(str(tokenizer))
+    with pytest.raises(ConfigError, match="has no <\\|end_of_text\\|> token: it is not the tokenizer of an openprime "
+                                          "run"):
+        write_hf_checkpoint(model.state_dict(), DEBUG, tmp_path / "hf", tokenizer=tokenizer)
+    assert not (tmp_path / "hf").exists()

@@ -164,7 +164,7 @@ def _error(message: str) -> int:
 def export_model(args: argparse.Namespace) -> int:
     """`openprime export`: the newest (or given) checkpoint as config.json + model.safetensors."""
     from openprime.train.checkpointing import load_model_weights
-    from openprime.train.export import check_out_dir, write_hf_checkpoint
+    from openprime.train.export import check_out_dir, find_tokenizer, write_hf_checkpoint
 
     try:
         check_out_dir(args.out_dir)
@@ -173,15 +173,24 @@ def export_model(args: argparse.Namespace) -> int:
         return _error(f"cannot read {args.source}: {e.strerror or e} ({e.filename or args.source})")
     except OpenPrimeError as e:
         return _error(str(e))
+    tokenizer = find_tokenizer(args.source, part)
     try:
-        write_hf_checkpoint(weights, model_cfg, args.out_dir, dtype=getattr(torch, args.dtype))
+        write_hf_checkpoint(weights, model_cfg, args.out_dir, dtype=getattr(torch, args.dtype), tokenizer=tokenizer)
     except OSError as e:  # a full disk, a read-only one: nothing is left there (the export is written atomically)
         return _error(f"cannot write the export to {args.out_dir}: {e.strerror or e} ({e.filename or args.out_dir}); "
                       f"free space, or choose another OUT_DIR")
     except OpenPrimeError as e:
         return _error(str(e))
-    print(f"openprime: exported {part} to {args.out_dir} ({args.dtype}); load it with "
-          f"transformers.LlamaForCausalLM.from_pretrained({str(args.out_dir)!r})")
+    out = repr(str(args.out_dir))
+    if tokenizer is not None:
+        print(f"openprime: exported {part} and the run's tokenizer to {args.out_dir} ({args.dtype}); load them with "
+              f"transformers.LlamaForCausalLM.from_pretrained({out}) and transformers.AutoTokenizer.from_pretrained("
+              f"{out})")
+    else:  # the weights are still worth having: the tokenizer can be added by hand
+        print(f"openprime: exported {part} to {args.out_dir} ({args.dtype}) without a tokenizer: no tokenizer.json in "
+              f"the run directory of {args.source} (launches before 2026-12-08 wrote none; it is in the data cache, "
+              f"`tokenizer.json` of ~/.cache/openprime/data-*, or export from the run directory); load it with "
+              f"transformers.LlamaForCausalLM.from_pretrained({out})")
     return 0
 
 
@@ -431,7 +440,7 @@ def _start(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path, over
     try:
         write_run_files(run_dir, cfg, recipe=args.recipe.resolve(), recipe_files=loaded_recipe_files(),
                         overrides=overrides, num_nodes=args.nodes, resumed_from=resume.path if resume else None,
-                        joined=in_use)
+                        joined=in_use, tokenizer=prepared.tokenizer_path)
     except OSError as e:
         return _unwritable(run_dir, e)
     return launch(cfg, num_nodes=args.nodes, run_dir=run_dir, coordinator=args.join, resume=resume,

@@ -1,4 +1,5 @@
-"""Export an openprime Llama as a Hugging Face Llama checkpoint (`config.json` + `model.safetensors`).
+"""Export an openprime Llama as a Hugging Face Llama checkpoint (`config.json` + `model.safetensors`, and the
+run's tokenizer when there is one: `tokenizer.json` + `tokenizer_config.json`, for `AutoTokenizer`).
 
 INTELLECT-1 (arXiv 2412.01152) was released as Hugging Face Llama checkpoints, which is how a model
 trained here leaves too (issue 6). The architecture is the same (model.py); three things change:
@@ -10,6 +11,9 @@ trained here leaves too (issue 6). The architecture is the same (model.py); thre
 - the config: `ModelConfig` fields become `LlamaConfig` keys (`hf_config`).
 
 Only `safetensors` is needed here, not `transformers`: a training node can export without it.
+
+The tokenizer is the byte-level BPE the run trained on its data (openprime.train.data), which a launch copies into
+its run directory as `tokenizer.json`: without it the exported model's token ids mean nothing to anyone.
 """
 
 from __future__ import annotations
@@ -24,7 +28,10 @@ import torch
 from safetensors.torch import save_file
 
 from openprime.core.errors import ConfigError
+from openprime.train.data import EOT_TOKEN
 from openprime.train.model import Llama, ModelConfig
+
+TOKENIZER_FILE = "tokenizer.json"  # the run's tokenizer (a launch copies it into its run directory), and the export's
 
 # openprime name suffix -> HF name suffix, per transformer block.
 _LAYER_RENAMES = {
@@ -157,8 +164,10 @@ def check_out_dir(out_dir: pathlib.Path) -> None:
 
 
 def write_hf_checkpoint(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: pathlib.Path,
-                        dtype: torch.dtype = torch.float32) -> None:
-    """Write `config.json` and `model.safetensors` (tensors cast to `dtype`) into `out_dir`, atomically.
+                        dtype: torch.dtype = torch.float32, tokenizer: pathlib.Path | None = None) -> None:
+    """Write `config.json` and `model.safetensors` (tensors cast to `dtype`) into `out_dir`, atomically; with
+    `tokenizer` (a run's tokenizer.json) also it and its `tokenizer_config.json`, and its end-of-text id in
+    config.json.
 
     A new `out_dir` is written as a temporary sibling directory that is renamed to `out_dir` at the end, so a
     crash never leaves a half-written checkpoint behind. An existing empty `out_dir` (which may be a mount point,
@@ -170,13 +179,14 @@ def write_hf_checkpoint(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, o
     check_out_dir(out_dir)
     tensors = {name: tensor.to("cpu", dtype).contiguous()
                for name, tensor in to_hf_state_dict(state_dict, cfg).items()}
+    files = _files(cfg, dtype, tokenizer)
     if out_dir.is_dir():
-        _fill_empty_dir(out_dir, tensors, cfg, dtype)
+        _fill_empty_dir(out_dir, tensors, files)
         return
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
     try:
-        _write_files(staging, tensors, cfg, dtype)
+        _write_files(staging, tensors, files)
         staging.chmod(0o777 & ~_umask())  # mkdtemp made it 0700: the checkpoint is for others to read too
         # rename(2) replaces an empty directory atomically, and fails if one appeared with contents.
         os.replace(staging, out_dir)
@@ -185,31 +195,58 @@ def write_hf_checkpoint(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, o
         raise
 
 
-_FILES = ("model.safetensors", "config.json")  # in the order they are moved into an existing directory
+def find_tokenizer(source: pathlib.Path, part: pathlib.Path) -> pathlib.Path | None:
+    """The tokenizer of the run an export reads: in the run directory given (`source`), or in the one that holds the
+    checkpoint part read (step-N/part under RUN/checkpoints); None when neither has one (a run launched before
+    2026-12-08, or checkpoints saved to a checkpoint.directory outside the run directory and exported from there)."""
+    for directory in (source, *list(part.parents)[:3]):
+        if (directory / "config.json").is_file() and (directory / TOKENIZER_FILE).is_file():
+            return directory / TOKENIZER_FILE
+    return None
 
 
-def _write_files(directory: pathlib.Path, tensors: dict[str, torch.Tensor], cfg: ModelConfig,
-                 dtype: torch.dtype) -> None:
+def _files(cfg: ModelConfig, dtype: torch.dtype, tokenizer: pathlib.Path | None) -> dict[str, str]:
+    """The export's JSON files by name, config.json last (the order they are moved into an existing directory: a
+    directory with a config.json holds the whole export)."""
+    config = hf_config(cfg, dtype)
+    files = {}
+    if tokenizer is not None:
+        text = tokenizer.read_text()
+        eot_id = next((t["id"] for t in json.loads(text).get("added_tokens", []) if t["content"] == EOT_TOKEN), None)
+        if eot_id is None:
+            raise ConfigError(f"{tokenizer} has no {EOT_TOKEN} token: it is not the tokenizer of an openprime run")
+        # transformers' PreTrainedTokenizerFast reads tokenizer.json as the `tokenizers` package wrote it; the model
+        # learned EOT_TOKEN as the end of every document, so it is the end of a generation too.
+        files[TOKENIZER_FILE] = text
+        files["tokenizer_config.json"] = json.dumps({
+            "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOT_TOKEN, "model_max_length": cfg.max_seq_len,
+            "clean_up_tokenization_spaces": False}, indent=2) + "\n"
+        config["eos_token_id"] = eot_id
+    files["config.json"] = json.dumps(config, indent=2) + "\n"
+    return files
+
+
+def _write_files(directory: pathlib.Path, tensors: dict[str, torch.Tensor], files: dict[str, str]) -> None:
     # "format": "pt" is the metadata transformers checks before it reads a safetensors file.
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    (directory / "config.json").write_text(json.dumps(hf_config(cfg, dtype), indent=2) + "\n")
+    for name, text in files.items():
+        (directory / name).write_text(text)
     # safetensors creates its file 0600: the checkpoint is for others to read too (as config.json is, under the
     # umask).
     (directory / "model.safetensors").chmod(0o666 & ~_umask())
 
 
-def _fill_empty_dir(out_dir: pathlib.Path, tensors: dict[str, torch.Tensor], cfg: ModelConfig,
-                    dtype: torch.dtype) -> None:
+def _fill_empty_dir(out_dir: pathlib.Path, tensors: dict[str, torch.Tensor], files: dict[str, str]) -> None:
     """Write the export into the existing empty directory `out_dir` through a temporary directory inside it (the
     same file system, whatever `out_dir` is mounted on or linked to); on failure nothing of it is left there."""
     staging = pathlib.Path(tempfile.mkdtemp(prefix=".export.", suffix=".tmp", dir=out_dir))
     moved = []
     try:
-        _write_files(staging, tensors, cfg, dtype)
+        _write_files(staging, tensors, files)
         if others := [p.name for p in out_dir.iterdir() if p != staging]:
             raise ConfigError(f"export: {out_dir} is no longer empty (it now holds {', '.join(sorted(others))}); "
                               f"choose a new output directory or remove it first")
-        for name in _FILES:
+        for name in ["model.safetensors", *files]:  # config.json last
             os.replace(staging / name, out_dir / name)
             moved.append(out_dir / name)
         staging.rmdir()
@@ -226,4 +263,4 @@ def _umask() -> int:
     return umask
 
 
-__all__ = ["check_out_dir", "hf_config", "to_hf_state_dict", "write_hf_checkpoint"]
+__all__ = ["TOKENIZER_FILE", "check_out_dir", "find_tokenizer", "hf_config", "to_hf_state_dict", "write_hf_checkpoint"]

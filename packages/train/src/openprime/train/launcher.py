@@ -41,6 +41,7 @@ from openprime.train.checkpointing import (
 )
 from openprime.train.config import RunConfig
 from openprime.train.data import prepare_data
+from openprime.train.export import TOKENIZER_FILE
 from openprime.train.hardware import detect_device_type, device_blocks, least_used_block
 from openprime.train.leaving import stop_signals_handled
 from openprime.train.metrics import RunSummary, summarize
@@ -87,7 +88,7 @@ def _stdout_gone() -> None:
 
 def write_run_files(run_dir: pathlib.Path, cfg: RunConfig, *, recipe: pathlib.Path, recipe_files: list[pathlib.Path],
                     overrides: list[str], num_nodes: int, resumed_from: pathlib.Path | None = None,
-                    joined: bool = False) -> None:
+                    joined: bool = False, tokenizer: pathlib.Path | None = None) -> None:
     """The resolved config (as the launch runs it) and every recipe source, next to the metrics.
 
     A resumed launch keeps the first launch's files and adds its own `config.resumed-N.json`; one that starts a
@@ -95,7 +96,8 @@ def write_run_files(run_dir: pathlib.Path, cfg: RunConfig, *, recipe: pathlib.Pa
     A launch that `joined` the run of the launch holding the directory adds `config.joined-N.json` (it replaced the
     first launch's config.json and recipe sources with its own). Recipe files of the same name (an experiment's
     `debug.py` deriving from `recipes/debug.py`) are kept apart, `debug.py` and `debug.2.py`, and the config names
-    each copy's origin (`recipe_files`): the base, copied last, replaced the recipe that ran.
+    each copy's origin (`recipe_files`): the base, copied last, replaced the recipe that ran. `tokenizer`: the data's
+    tokenizer.json, copied as the run's (`openprime export` writes it beside the model).
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     copies: dict[str, str] = {}
@@ -118,6 +120,10 @@ def write_run_files(run_dir: pathlib.Path, cfg: RunConfig, *, recipe: pathlib.Pa
     sources.mkdir(exist_ok=True)
     for copy, path in copies.items():
         shutil.copyfile(path, sources / copy)
+    if tokenizer is not None:  # written whole under another name, then renamed: a reader never sees half of it
+        partial = run_dir / f".{TOKENIZER_FILE}.{os.getpid()}.tmp"
+        shutil.copyfile(tokenizer, partial)
+        os.replace(partial, run_dir / TOKENIZER_FILE)
 
 
 def launch_config(cfg: RunConfig, num_nodes: int) -> RunConfig:
