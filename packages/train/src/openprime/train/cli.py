@@ -29,11 +29,10 @@ import signal
 import socket
 import sys
 
-import attrs
 import torch
 
-from openprime.ckpt import Checkpoint, check_compatible, list_steps
-from openprime.ckpt.store import part_info, verify_log
+from openprime.ckpt import Checkpoint, list_steps
+from openprime.ckpt.store import verify_log
 from openprime.core.auth import AuthConfig
 from openprime.core.config import override_all, split_overrides
 from openprime.core.errors import ConfigError, OpenPrimeError
@@ -42,9 +41,9 @@ from openprime.train.config import RunConfig, TransportKind
 from openprime.train.data import PreparedData, prepare_data
 from openprime.train.hardware import check_hardware
 from openprime.train.metrics import METRICS_FILE, records_of_kind
-from openprime.train.model import Llama, count_parameters
 from openprime.train.processes import nodes_hold_run_lock
 from openprime.train.recipe import loaded_recipe_files, recipe_config
+from openprime.train.resuming import LATEST_NEEDS_RUN_DIR, resume_from, set_aside
 from openprime.train.run_lock import RunDirInUse, RunDirLock, new_run_dir
 from openprime.train.site import site_overrides
 from openprime.train.transports import check_installed, codec_for
@@ -225,107 +224,6 @@ def serve_mesh(args: argparse.Namespace) -> int:
     return 0
 
 
-# The dry run plans for the paper's GPU and a typical public-internet link unless the site file shapes the
-# link; `openprime plan` takes any other GPU and bandwidth.
-DRY_RUN_GPU = "h100"
-DRY_RUN_BANDWIDTH_BPS = 1e9
-
-
-@attrs.frozen(kw_only=True)
-class MetaShards:
-    """What FSDP2 gave one local rank of a model built on the meta device (rank 0 of a fake group)."""
-
-    num_params: int  # of the whole model (a sharded parameter's numel is its global one)
-    num_local_ranks: int
-    num_units: int  # FSDP2 units: one per block and the root; 0 when nothing is sharded
-    shard_numel: int  # parameters one rank holds: rank 0's shards, which are the padded size every rank allocates
-    shard_bytes: int
-    max_padding: int  # the most dim-0 padding (elements, over all ranks) the parameters' shapes allow
-
-
-def shard_on_meta(cfg: RunConfig) -> MetaShards:
-    """Build the model on the meta device and apply the run's FSDP2 plan over a fake group of the node's
-    local ranks (no peers, no memory); the fake group is destroyed before returning."""
-    from torch.distributed.fsdp import FSDPModule
-
-    from openprime.fsdp import destroy_local_mesh, fake_mesh, local_shard, parallelize
-
-    ranks = cfg.fsdp.num_local_ranks
-    with torch.device("meta"):
-        model = Llama(cfg.model)
-    mesh = fake_mesh(ranks) if cfg.fsdp.sharded else None
-    try:
-        parallelize(model, model.layers, mesh, config=cfg.fsdp)
-        shards = [local_shard(p) for p in model.parameters()]
-        assert all(s.is_meta for s in shards)
-        return MetaShards(
-            num_params=sum(p.numel() for p in model.parameters()), num_local_ranks=ranks,
-            num_units=sum(isinstance(m, FSDPModule) for m in model.modules()),
-            shard_numel=sum(s.numel() for s in shards), shard_bytes=sum(s.numel() * s.element_size() for s in shards),
-            max_padding=sum((ranks - 1) * (p.numel() // p.shape[0]) for p in model.parameters()))
-    finally:
-        if mesh is not None:
-            destroy_local_mesh()
-
-
-def dry_run(cfg: RunConfig, num_nodes: int) -> None:
-    """Print the run, the model's FSDP2 sharding over a fake group of the node's local ranks, and the plan;
-    nothing is allocated (meta device). Raises ConfigError if the plan says one GPU is too small."""
-    from openprime.train import planner
-
-    num_params = count_parameters(cfg.model)
-    embed = cfg.model.vocab_size * cfg.model.dim
-    tokens_per_outer = cfg.train.batch_size * cfg.train.seq_len * cfg.diloco.num_inner_steps * num_nodes
-    print(f"run {cfg.name!r}: {num_nodes} nodes, {cfg.train.num_steps:,} inner steps, "
-          f"{cfg.num_outer_steps:,} outer steps of H={cfg.diloco.num_inner_steps}; "
-          f"{tokens_per_outer:,} tokens per outer step across the nodes")
-    shards = shard_on_meta(cfg)
-    print(f"model: {shards.num_params:,} parameters ({num_params / 1e9:.2f}B; counted by hand: "
-          f"{num_params:,}); {cfg.model.num_layers} layers, dim {cfg.model.dim}, "
-          f"{cfg.model.num_heads} heads, {cfg.model.num_kv_heads} KV heads, FFN {cfg.model.ffn_hidden_dim}, "
-          f"vocab {cfg.model.vocab_size}; embeddings + output {2 * embed:,}")
-    ranks, fsdp = shards.num_local_ranks, cfg.fsdp
-    train = (f"micro-batch {cfg.forward_batch_size} x "
-             f"{cfg.num_micro_batches} accumulated per rank per inner step, activation checkpointing "
-             f"{fsdp.activation_checkpointing.value}")
-    if shards.num_units:
-        print(f"FSDP2 over a fake {ranks}-rank group (meta device): {shards.num_units} units "
-              f"({cfg.model.num_layers} blocks + root), {fsdp.param_dtype.value} compute, "
-              f"{fsdp.reduce_dtype.value} gradient reduce-scatter; {train}")
-    else:
-        print(f"one local rank: no sharding, fp32 compute; {train}")
-    plan = planner.plan_run(cfg, num_nodes=num_nodes, gpu=DRY_RUN_GPU,
-                            bandwidth_bps=cfg.transport.options.shaping.rate_bps or DRY_RUN_BANDWIDTH_BPS,
-                            latency_s=cfg.transport.options.shaping.latency_s)
-    # FSDP2 pads dim 0 to a multiple of the ranks, the planner divides exactly: they may differ by that padding.
-    padding = shards.shard_numel * ranks - plan.num_params
-    excess_bytes = shards.shard_bytes - plan.weights_bytes
-    if not (0 <= padding <= shards.max_padding and -1 <= excess_bytes <= planner.FP32 * shards.max_padding / ranks + 1):
-        raise RuntimeError(f"FSDP2 gave each rank {shards.shard_bytes:,} bytes of weights, the planner "
-                           f"{plan.weights_bytes:,.0f}: a bug in one of them")
-    padded = f", {padding:,} parameters of dim-0 padding over the {ranks} ranks" if ranks > 1 else ""
-    print(f"per local rank: {shards.shard_numel:,} parameters, {shards.shard_bytes:,} bytes of fp32 weights "
-          f"({shards.shard_bytes / planner.GiB:.2f} GiB); the planner's: 4 x {num_params:,} / {ranks} = "
-          f"{plan.weights_bytes:,.0f} bytes{padded}")
-    print(f"plan (for other GPUs or bandwidths: openprime plan RECIPE --nodes {num_nodes} --gpu h200 "
-          f"--bandwidth 500mbit)\n{planner.format_plan(plan)}")
-    planner.check_fits(cfg, plan.gpu)
-
-
-def dry_run_resume(args: argparse.Namespace, cfg: RunConfig) -> None:
-    """`--dry-run --resume`: the checkpoint the launch would resume from, found and checked (checksums, model, local
-    ranks, later steps) as the launch checks it; the data layout is left to the launch (a dry run reads no data).
-    Raises what the launch's check would."""
-    from openprime.train.checkpointing import parts_by_node
-
-    # Without --run-dir the launch makes a new run directory (no steps of its own).
-    found, _ = _resume_checkpoint(args, cfg, args.run_dir.resolve() if args.run_dir else None, skipped={})
-    nodes = parts_by_node(found)
-    print(f"resume: from {found.path} (step {found.step}, {len(nodes)} node(s) saved it"
-          f"{f', {len(nodes[0])} local ranks each' if len(nodes[0]) > 1 else ''}; checksums verified, the model and "
-          f"local ranks match the recipe); its data layout is checked when the run starts")
-
-
 class _SayOnStderr(logging.Handler):
     """A library's word meant for the person at the command (openprime.ckpt's "checking the checksums of ...
     about 200 s" before a resume's nodes start), as one of the command's own lines."""
@@ -370,14 +268,18 @@ def _main(argv: list[str] | None) -> int:
             raise ConfigError(f"--nodes {args.nodes} is more than mesh.max_nodes={cfg.mesh.max_nodes}, the data slots "
                               f"the run cuts its data into (one a node): add --set mesh.max_nodes={args.nodes}"
                               + (" (a resumed run: with --set data.on_layout_change=restart)" if args.resume else ""))
+        if args.resume == "latest" and args.run_dir is None and not cfg.checkpoint.directory:
+            raise ConfigError(LATEST_NEEDS_RUN_DIR)  # before a run directory is made for nothing
         check_installed(cfg.transport)
         codec_for(cfg.diloco.compression)
         check_secrets(cfg)
         if args.dry_run:
+            from openprime.train.dry_run import dry_run, dry_run_resume
+
             dry_run(cfg, args.nodes)
             if args.resume:  # it was ignored: a dry run said nothing of a checkpoint that could not be resumed
                 try:
-                    dry_run_resume(args, cfg)
+                    dry_run_resume(args.resume, cfg, args.run_dir, num_nodes=args.nodes)
                 except OpenPrimeError as e:  # CheckpointNotFound, CorruptCheckpoint: as the launch says them
                     return _error(str(e))
             return 0
@@ -430,11 +332,12 @@ def _start(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path, over
     try:
         first_node = _check_run_dir(args, cfg, run_dir, in_use=in_use)
         if args.resume:
-            resume, other_timeline = _resume_from(args, cfg, run_dir, prepared)
+            resume, other_timeline = resume_from(args.resume, cfg, run_dir, prepared, num_nodes=args.nodes,
+                                                 joined=bool(args.join))
             if resume.step >= cfg.train.num_steps:
                 return _nothing_to_train(resume, cfg.train.num_steps, run_dir)
             if other_timeline:  # once the launch goes ahead
-                _set_aside(checkpoint_root(cfg.checkpoint, run_dir), other_timeline, resume.step)
+                set_aside(checkpoint_root(cfg.checkpoint, run_dir), other_timeline, resume.step)
     except OpenPrimeError as e:
         return _error(str(e))
     try:
@@ -541,100 +444,6 @@ def _check_shared_run_dir(cfg: RunConfig, run_dir: pathlib.Path, coordinator: st
                           f"with --resume latest, or give this launch another --run-dir")
     return 1 + max(int(r.get("node", 0)) for r in starts)
 
-
-def _resume_checkpoint(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path | None,
-                       skipped: dict[int, Exception]) -> tuple[Checkpoint, list[int]]:
-    """The checkpoint that `--resume` names (checksums verified), checked against the recipe's model and local ranks
-    and against the launch's checkpoint directory; and the later steps in that directory. `run_dir`: the launch's
-    (None: one yet to be made); `skipped`: filled as find_checkpoint's."""
-    from openprime.train.checkpointing import checkpoint_root, find_checkpoint, model_changes, parts_by_node
-
-    if args.resume == "latest" and args.run_dir is None and not cfg.checkpoint.directory:
-        raise ConfigError("--resume latest needs the --run-dir of the run to continue")
-    # A run directory yet to be made holds no checkpoints: only a path or checkpoint.directory are looked at.
-    where = run_dir or pathlib.Path("runs").resolve()
-    found = find_checkpoint(args.resume, cfg.checkpoint, where, num_nodes=args.nodes, skipped=skipped)
-    root = checkpoint_root(cfg.checkpoint, where)
-    later = [step for step in list_steps(root) if step > found.step] if run_dir or cfg.checkpoint.directory else []
-    if args.resume != "latest" and later:
-        raise ConfigError(f"{root}, where this run saves, holds checkpoints of steps {later} after the one resumed "
-                          f"({found.path}, step {found.step}): this run's saves would mix with them, and a later "
-                          f"--resume latest would continue from them. Move them out of {root} (they are another "
-                          f"timeline of the run), or give this run another --run-dir")
-    nodes = parts_by_node(found)
-    ranks = cfg.fsdp.num_local_ranks
-    if len(nodes[0]) != ranks:
-        raise ConfigError(f"checkpoint {found.path} was saved by nodes of {len(nodes[0])} local rank(s), each holding "
-                          f"its own shard, but fsdp.num_local_ranks is {ranks}: resume with "
-                          f"--set fsdp.num_local_ranks={len(nodes[0])}")
-    with torch.device("meta"):  # the recipe's model, to compare shapes with the saved one: nothing allocated
-        model = Llama(cfg.model)
-    # Local rank 0 of R holds the first ceil(n / R) rows of every n-row parameter (FSDP2 shards dim 0).
-    expected = {name: torch.empty((-(-t.shape[0] // ranks), *t.shape[1:]), device="meta")
-                for name, t in model.state_dict().items()}
-    first_part = found.part(nodes[0][0])
-    check_compatible(first_part, {"model": expected})
-    model_changes(part_info(first_part)["state"]["model_config"], cfg.model, where=f"checkpoint {found.path}")
-    return found, later
-
-
-def _resume_from(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Path,
-                 prepared: PreparedData) -> tuple[Checkpoint, list[int]]:
-    """The checkpoint that `--resume` names, checked against the nodes asked for, and the later steps of another
-    timeline to set aside (`_set_aside`) if the launch goes ahead."""
-    from openprime.ckpt import abandoned_steps
-    from openprime.train.checkpointing import checkpoint_root, data_layout_changes, nodes_here, parts_by_node
-
-    skipped: dict[int, Exception] = {}  # why each later step was not taken (their checksums checked)
-    found, later = _resume_checkpoint(args, cfg, run_dir, skipped)
-    nodes, ranks = parts_by_node(found), cfg.fsdp.num_local_ranks
-    first_part = found.part(nodes[0][0])
-    # The data layout's settings and token streams (prepared above), before any node starts (each node checks
-    # its sequences per source as it loads).
-    layout = {"seed": cfg.data.seed, "seq_len": cfg.train.seq_len, "num_slots": cfg.mesh.max_nodes,
-              "tokens": [source.tokens_sha256 for source in prepared.sources]}
-    changes = data_layout_changes(part_info(first_part)["state"]["data"], layout,
-                                  where=f"checkpoint {found.path}", on_change=cfg.data.on_layout_change)
-    if changes:
-        print(f"openprime: the data layout changed ({', '.join(changes)}): every node reads its data slot from the "
-              f"start (data.on_layout_change=restart)", flush=True)
-    print(f"openprime: resuming from {found.path} ({len(nodes)} nodes"
-          f"{f' of {ranks} local ranks' if ranks > 1 else ''}, checksums verified)", flush=True)
-    # Later steps that hold a whole node that verifies, but that some of this launch's nodes never saved, are another
-    # timeline's checkpoints; the others (saves a crash cut short before any node's finished, steps every node saved
-    # that are damaged on disk since) the run's own saves replace as before. Checksums included: a damaged newest
-    # step was moved aside as another timeline, with the advice to resume from it (found 2026-12-07 by review), and
-    # so was a step with one damaged part of two. What `latest` found of them decides, without checking their
-    # checksums a second time.
-    # Only under the run directory this launch holds locked: a checkpoint.directory elsewhere may be another live
-    # run's, still writing those steps.
-    root = checkpoint_root(cfg.checkpoint, run_dir)
-    if args.join or not root.resolve().is_relative_to(run_dir.resolve()):
-        return found, []
-    return found, abandoned_steps(root, later, enough=nodes_here(args.nodes), usable=nodes_here(1), skipped=skipped)
-
-
-def _set_aside(root: pathlib.Path, later: list[int], resumed: int) -> None:
-    """Move the steps after the one `--resume latest` resumed out of the run's checkpoint root: they hold fewer
-    nodes than this launch (a node died and the others saved on without it), so they are another timeline. Left in
-    place, they stayed the run's newest: status, export and the continue line's second command took them, and
-    a later resume of fewer nodes continued the abandoned timeline (found 2026-12-07). Not for a --join launch: on
-    a disk shared by machines, another machine's launch may be reading them."""
-    import datetime
-
-    from openprime.ckpt.store import step_dir
-
-    aside = root / f"abandoned-after-step-{resumed:08d}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
-    try:
-        aside.mkdir()
-        for step in later:
-            step_dir(root, step).rename(aside / step_dir(root, step).name)
-    except OSError as e:
-        raise ConfigError(f"cannot move the later steps {later} of {root} aside ({e.strerror or e}: {e.filename}): "
-                          f"they are another timeline's; move them out of {root} yourself, then resume") from None
-    print(f"openprime: steps {later} under {root} hold fewer nodes than this launch (a node died and the others "
-          f"saved on without it): moved to {aside}, out of this run's timeline. To continue that timeline instead, "
-          f"stop this launch and resume with --resume {step_dir(aside, later[-1])}", flush=True)
 
 if __name__ == "__main__":  # as the `openprime` command does it (openprime.train.entry), less its early start
     from openprime.train.entry import main as entry_main
