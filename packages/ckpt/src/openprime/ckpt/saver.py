@@ -24,8 +24,16 @@ import attrs
 from torch.distributed.checkpoint.api import CheckpointException
 
 from openprime.ckpt.config import SaveMode
-from openprime.ckpt.state import snapshot
-from openprime.ckpt.store import Fingerprint, PartsCheck, SaveNotDurable, dcp_cause, prune, write_part
+from openprime.ckpt.state import flatten, snapshot
+from openprime.ckpt.store import (
+    Fingerprint,
+    PartsCheck,
+    SaveNotDurable,
+    check_num_keep,
+    dcp_cause,
+    prune,
+    write_part,
+)
 
 log = logging.getLogger("openprime.ckpt")
 
@@ -50,6 +58,7 @@ class Checkpointer:
         """`usable`: what a step must hold to count among the `num_keep` kept (store.prune)."""
         if mode is SaveMode.OFF:
             raise ValueError("a Checkpointer with SaveMode.OFF would save nothing; do not build one")
+        check_num_keep(num_keep)
         self.root, self.part, self.mode, self.num_keep, self.usable = root, part, mode, num_keep, usable
         self.results: list[SaveResult] = []
         self._thread: threading.Thread | None = None
@@ -65,8 +74,13 @@ class Checkpointer:
 
         `parts` names every part this step needs (the nodes of the outer step), so that a resume can tell
         a complete step from one that some node did not finish; `fingerprint`, what this part shares with them
-        (store.Fingerprint), so that it can tell a step that mixes two saves of it.
+        (store.Fingerprint), so that it can tell a step that mixes two saves of it. A state that can never be
+        saved (a value neither a tensor nor JSON) raises TypeError here, before anything is written.
         """
+        # A value that is neither a tensor nor JSON (numpy's int64, an object) fails every save of this state, not
+        # this one: in the writer thread it was logged as a failed write ("is the disk full?") and the run went on
+        # saving nothing. The TypeError names the value to convert. (Walks the state; copies no tensor.)
+        flatten(state)
         start = time.monotonic()
         self.wait()
         host = self._host = snapshot(state, reuse=self._host)  # the previous snapshot is on disk: reuse its memory

@@ -38,7 +38,7 @@ import shutil
 import sys
 import uuid
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -158,10 +158,11 @@ def write_part(root: pathlib.Path, step: int, part: str, state: Mapping[str, Any
     """
     if part not in parts:
         raise ValueError(f"part {part!r} is not among the step's parts {list(parts)}")
+    # Before the step directory is made: a state that cannot be stored (TypeError) left it empty, read as the newest.
+    tensors, skeleton = flatten(state)
     target = step_dir(root, step)
     target.mkdir(parents=True, exist_ok=True)
     tmp = _tmp_name(target, part)
-    tensors, skeleton = flatten(state)
     final = target / part
     try:
         tmp.mkdir(parents=True)  # with its step directory, should another part's failed save have removed it
@@ -495,6 +496,15 @@ def writing_pids(root: pathlib.Path, *, since: float = 0.0) -> set[int]:
     return pids
 
 
+def check_num_keep(num_keep: int) -> None:
+    """ValueError unless `num_keep` is 1 or more. With 0, prune kept every step (the oldest complete one was the
+    oldest kept: the disk filled) and, with no complete step yet, raised IndexError, in a Checkpointer's writer
+    thread where it was lost with the save's result."""
+    if not isinstance(num_keep, int) or num_keep < 1:
+        raise ValueError(f"num_keep={num_keep!r}: keep at least the newest checkpoint (num_keep=1 or more; "
+                         f"checkpoint.num_keep in a recipe)")
+
+
 def prune(root: pathlib.Path, part: str, *, num_keep: int, saved: int | None = None,
           usable: PartsCheck | None = None) -> list[int]:
     """Delete the steps before the `num_keep` newest complete ones, and leftovers of this part's failed saves.
@@ -510,6 +520,7 @@ def prune(root: pathlib.Path, part: str, *, num_keep: int, saved: int | None = N
     another timeline's (a run resumed from an older checkpoint) and are left alone. Returns those later steps.
     `usable`: what a step's present parts must hold besides (as `latest`'s `enough`: a whole node).
     """
+    check_num_keep(num_keep)
     steps = list_steps(root)
     later = [s for s in steps if saved is not None and s > saved]
     complete = _complete_steps(root, [s for s in steps if s not in later], usable)
@@ -535,9 +546,10 @@ def _complete_steps(root: pathlib.Path, steps: Sequence[int], usable: PartsCheck
     them all; a machine saving to its own disk holds only its own nodes' parts. So, within the steps that name the
     same parts (one layout), the parts this disk holds are those that finished in any of them, and a step is
     complete when it holds all of those. A step with no finished part, or one whose state.json cannot be read,
-    is not complete. Of a layout's first steps the parts held are only those saved so far: when every node's local
-    rank 1 failed (a full disk) or was killed and its rank 0 saved, the step held all of them, no whole node, and
-    its prune removed the last step that held one (2026-12-07); `usable` (a whole node) refuses such a step.
+    is not complete, nor is one whose parts' fingerprints disagree (`_mixes_two_saves`). Of a layout's first steps
+    the parts held are only those saved so far: when every node's local rank 1 failed (a full disk) or was killed
+    and its rank 0 saved, the step held all of them, no whole node, and its prune removed the last step that held
+    one (2026-12-07); `usable` (a whole node) refuses such a step.
     """
     present: dict[int, frozenset[str]] = {}
     layout: dict[int, tuple[str, ...]] = {}
@@ -552,4 +564,21 @@ def _complete_steps(root: pathlib.Path, steps: Sequence[int], usable: PartsCheck
     for step, parts in layout.items():  # only parts the layout names: a directory put beside them is no part
         held.setdefault(parts, set()).update(present[step] & set(parts))
     return [step for step in steps if step in layout and held[layout[step]] <= present[step]
-            and (usable is None or usable(tuple(sorted(present[step])), layout[step]) is None)]
+            and (usable is None or usable(tuple(sorted(present[step])), layout[step]) is None)
+            and not _mixes_two_saves(step_dir(root, step), present[step] & set(layout[step]))]
+
+
+def _mixes_two_saves(path: pathlib.Path, parts: Iterable[str]) -> bool:
+    """Whether the fingerprints of these parts of a step disagree (`_check_one_save`): a run rolled back to an older
+    step saves the later ones again, part by part, and until its last part lands (or for good, when that part's save
+    fails) such a step holds every part but is no checkpoint. Counted complete, it let prune remove the last step a
+    resume could use (a kill then found none). A part whose state.json cannot be read says nothing here."""
+    fingerprints = {}
+    for name in sorted(parts):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            fingerprints[name] = part_info(path / name)["fingerprint"]
+    try:
+        _check_one_save(path, fingerprints)
+    except CorruptCheckpoint:
+        return True
+    return False
