@@ -156,6 +156,7 @@ class DataConfig:
                 raise ConfigError(f"DataConfig.mixture[{i}] is {entry!r}, not a WeightedSource; write "
                                   f"WeightedSource(source=..., weight=...)")
         _refuse_duplicates(self.mixture)
+        _refuse_unusable_shares(self.mixture)
         if self.vocab_size < NUM_BYTE_TOKENS + 1:
             raise ConfigError(f"DataConfig.vocab_size {self.vocab_size} is too small: a byte-level BPE needs "
                               f"{NUM_BYTE_TOKENS} byte tokens plus end-of-text; use at least {NUM_BYTE_TOKENS + 1}")
@@ -195,6 +196,17 @@ class DataConfig:
 def _is_plain_corpus(entry: WeightedSource) -> bool:
     """Whether `entry` says no more than `sources=` can (so `sources=` may replace it)."""
     return entry == WeightedSource(source=entry.source) and entry.corpus is not None
+
+
+def _refuse_unusable_shares(mixture: tuple[WeightedSource, ...]) -> None:
+    """Each weight is checked alone; the batches use their shares, which a sum that overflows (1e308 twice) or a weight
+    too small next to another (1e-320 and 1e10) made 0.0: the run stopped later, in MixtureBatches, without the fix."""
+    total = sum(entry.weight for entry in mixture)
+    if np.isfinite(total) and all(entry.weight / total > 0 for entry in mixture):
+        return
+    raise ConfigError(f"DataConfig.mixture: the weights {[entry.weight for entry in mixture]} do not give every source "
+                      f"a share (they sum to {total}); they are relative: write them on one scale, e.g. percentages "
+                      f"(55, 10, 20, ...)")
 
 
 def _refuse_duplicates(mixture: tuple[WeightedSource, ...]) -> None:

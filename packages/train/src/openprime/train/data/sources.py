@@ -25,6 +25,7 @@ import os
 import pathlib
 import re
 import sqlite3
+import zlib
 from collections.abc import Iterator
 
 from openprime.core.errors import ConfigError
@@ -111,11 +112,28 @@ def _kind(path: pathlib.Path) -> str | None:
 
 
 def _walk(directory: pathlib.Path) -> list[pathlib.Path]:
-    found = []
-    for root, subdirs, files in os.walk(directory):
-        subdirs[:] = [d for d in subdirs if not d.startswith(".")]  # .git, .cache of a download tool
+    """The files under `directory`, links to directories followed: a source assembled from links to other disks
+    (data/mix/fineweb -> /mnt/nvme/fineweb) was read without them, as the glob data/mix/**/*.txt was not. A directory
+    reached a second time (a link back up, two links to one place) is not read again; the walk is sorted so that
+    which of its paths is read does not depend on the order the disk lists them in."""
+    found, seen = [], set()
+    for root, subdirs, files in os.walk(directory, followlinks=True):
+        real = os.path.realpath(root)
+        if real in seen:
+            subdirs[:] = []
+            continue
+        seen.add(real)
+        subdirs[:] = sorted(d for d in subdirs if not d.startswith("."))  # .git, .cache of a download tool
         found.extend(pathlib.Path(root) / f for f in files if not f.startswith("."))
     return found
+
+
+def _refuse_dangling_link(entry: WeightedSource, path: pathlib.Path) -> None:
+    """A link to nothing (a Hugging Face cache snapshot copied with `cp -r` holds links to ../../blobs/...) is said
+    as such: listing the source for the cache key raised FileNotFoundError, naming neither the source nor the fix."""
+    if path.is_symlink() and not path.exists():
+        raise ConfigError(f"{describe(entry)}: {path} is a link to {os.readlink(path)}, which does not exist; copy the "
+                          f"files the links point to (cp -L), or remove the link from the source")
 
 
 def source_files(entry: WeightedSource) -> list[pathlib.Path]:
@@ -140,6 +158,8 @@ def source_files(entry: WeightedSource) -> list[pathlib.Path]:
         matches = [path]
     candidates = [f for m in matches for f in (_walk(m) if m.is_dir() else [m])]
     files = sorted({f for f in candidates if _kind(f) is not None})
+    for f in files:
+        _refuse_dangling_link(entry, f)
     if not files:
         others = ", ".join(sorted(f.name for f in candidates)[:5]) or "no files at all"
         raise ConfigError(f"{describe(entry)}: {spec} holds no documents: no {SUPPORTED} files (found: {others})")
@@ -152,12 +172,16 @@ def _open_text(path: pathlib.Path):  # -> a text file object; the caller closes 
     return open(path, encoding="utf-8")
 
 
-def _txt_documents(path: pathlib.Path, entry: WeightedSource) -> Iterator[str]:
+def _txt_documents(path: pathlib.Path, entry: WeightedSource, max_chars: int | None) -> Iterator[str]:
+    # At most max_chars: a multi-gigabyte text dump (one document) was read whole to keep its first 2M characters.
     with _open_text(path) as f:
-        yield f.read()
+        yield f.read(-1 if max_chars is None else max_chars)
 
 
-def _jsonl_documents(path: pathlib.Path, entry: WeightedSource) -> Iterator[str]:
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # json.loads joins the halves of a pair into one character
+
+
+def _jsonl_documents(path: pathlib.Path, entry: WeightedSource, max_chars: int | None) -> Iterator[str]:
     field = entry.text_field
     with _open_text(path) as f:
         for line_number, line in enumerate(f, 1):
@@ -176,10 +200,13 @@ def _jsonl_documents(path: pathlib.Path, entry: WeightedSource) -> Iterator[str]
             if not isinstance(text, str):
                 raise ConfigError(f"{describe(entry)}: {path} line {line_number}: field {field!r} is "
                                   f"{type(text).__name__}, not text; set WeightedSource.text_field to a text field")
-            yield text
+            # A lone half of a surrogate pair ("\ud83d" in the file: web text cut inside an emoji) is valid JSON but
+            # no character UTF-8 can encode: the tokenizer raised UnicodeEncodeError, naming no file. Read as a UTF-8
+            # decoder reads bytes it cannot decode.
+            yield _LONE_SURROGATE.sub("\ufffd", text)
 
 
-def _parquet_documents(path: pathlib.Path, entry: WeightedSource) -> Iterator[str]:
+def _parquet_documents(path: pathlib.Path, entry: WeightedSource, max_chars: int | None) -> Iterator[str]:
     try:
         import pyarrow.parquet as pq  # optional: only parquet sources need it
     except ImportError:
@@ -196,11 +223,19 @@ def _parquet_documents(path: pathlib.Path, entry: WeightedSource) -> Iterator[st
 _READERS = {"txt": _txt_documents, "jsonl": _jsonl_documents, "parquet": _parquet_documents}
 
 
-def local_documents(entry: WeightedSource) -> Iterator[str]:
-    """The documents of a local source, file after file in sorted path order."""
+def local_documents(entry: WeightedSource, max_chars: int | None = None) -> Iterator[str]:
+    """The documents of a local source, file after file in sorted path order.
+
+    With `max_chars`, no document is longer and no file is read further than needed for it (the caller cuts them to
+    what it takes: the documents it keeps are the same).
+    """
     for path in source_files(entry):
         try:
-            yield from _READERS[_kind(path)](path, entry)
+            yield from _READERS[_kind(path)](path, entry, max_chars)
+        except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+            # EOFError and zlib.error are not OSErrors: a download cut short was a traceback from the gzip module.
+            raise ConfigError(f"{describe(entry)}: {path} is not a complete gzip file ({e}); download it again or "
+                              f"move it out of the source") from None
         except UnicodeDecodeError as e:
             raise ConfigError(f"{describe(entry)}: {path} is not UTF-8 text ({e.reason} at byte {e.start}); "
                               f"convert it or move it out of the source") from None
@@ -208,15 +243,15 @@ def local_documents(entry: WeightedSource) -> Iterator[str]:
             raise ConfigError(f"{describe(entry)}: cannot read {path}: {e}") from None
 
 
-def documents(source: WeightedSource | Source) -> Iterator[str]:
-    """The documents of any source, in its own order."""
+def documents(source: WeightedSource | Source, max_chars: int | None = None) -> Iterator[str]:
+    """The documents of any source, in its own order (local files read only as far as `max_chars` needs)."""
     entry = source if isinstance(source, WeightedSource) else WeightedSource(source=source)
     corpus = entry.corpus
     if corpus is Source.KJV:
         return kjv_documents()
     if corpus is Source.CPYTHON:
         return cpython_documents()
-    return local_documents(entry)
+    return local_documents(entry, max_chars)
 
 
 def read_documents(source: WeightedSource | Source, max_chars: int) -> list[str]:
@@ -225,7 +260,7 @@ def read_documents(source: WeightedSource | Source, max_chars: int) -> list[str]
     Raises ConfigError if the source yields no text at all.
     """
     taken, remaining = [], max_chars
-    for document in documents(source):
+    for document in documents(source, max_chars):
         if not document:
             continue
         taken.append(document[:remaining])
@@ -245,7 +280,15 @@ def source_fingerprint(entry: WeightedSource) -> list[list[str | int]]:
     tokens (until 2026-12-07). Machines whose copies have other times prepare entries of their own; what nodes
     compare across machines is the streams' SHA-256 (run terms), which agree when the files do.
     """
-    return [[str(path), (st := path.stat()).st_size, st.st_mtime_ns] for path in source_files(entry)]
+    fingerprint = []
+    for path in source_files(entry):
+        try:
+            st = path.stat()
+        except OSError as e:  # gone since it was listed (a download tool renaming its files), or unreadable
+            raise ConfigError(f"{describe(entry)}: cannot read {path}: {e.strerror or e}; let the download finish, "
+                              f"or move the file out of the source") from None
+        fingerprint.append([str(path), st.st_size, st.st_mtime_ns])
+    return fingerprint
 
 
 __all__ = ["SUPPORTED", "cpython_documents", "describe", "documents", "kjv_documents", "local_documents",
