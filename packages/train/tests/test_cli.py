@@ -320,6 +320,13 @@ def test_dry_run_of_a_model_that_does_not_fit_says_by_how_much(capsys):
     assert not torch.distributed.is_initialized()
 
 
+def test_a_validation_split_too_small_for_one_sequence_is_refused_before_the_nodes_start(capsys, tmp_path):
+    # The nodes trained up to their first evaluation (train.eval_every steps: hours, in a real run) and stopped there.
+    err = _fails(capsys, tmp_path, DEBUG, "--set", "data.val_fraction=0.00001", "--set", "train.eval_every=10")
+    assert "source 'kjv' has no validation sequence of 129 tokens (its held-out tail, val_fraction=1e-05, is " in err
+    assert "raise data.val_fraction or shorten train.seq_len" in err
+
+
 def _debug_checkpoint(root: pathlib.Path, step: int, model_cfg) -> pathlib.Path:
     """One node's part of a checkpoint of `model_cfg` as a node saves it (what a resume checks before starting)."""
     from openprime.ckpt import write_part

@@ -287,6 +287,10 @@ def _main(argv: list[str] | None) -> int:
         # The tokenizer and the token streams (cached): a missing dataset or an unwritable cache is said here,
         # before a run directory is made (it was a traceback out of the launch).
         prepared = prepare_data(cfg.data)
+        if cfg.train.eval_every:  # a validation split too small for one sequence stopped the nodes at their first eval
+            from openprime.train.trainer import eval_batches
+
+            eval_batches(cfg, prepared)
     except ConfigError as e:
         return _error(str(e))
 

@@ -52,7 +52,7 @@ from openprime.train.checkpointing import (
     slot_of_part,
 )
 from openprime.train.config import RunConfig, Strategy, TensorBoard
-from openprime.train.data import MixtureBatches, node_batches, prepare_data, validation_batches
+from openprime.train.data import MixtureBatches, PreparedData, node_batches, prepare_data, validation_batches
 from openprime.train.data_parallel import GradientAllReduce
 from openprime.train.guard import NonFiniteSteps
 from openprime.train.hardware import check_local_ranks, detect_device_type
@@ -194,6 +194,15 @@ def train_step(model: Llama, opt: torch.optim.Optimizer, sched: torch.optim.lr_s
         follow_schedule(sched, sched.last_epoch + 1)  # without torch's warning of a scheduler stepped alone
     opt.zero_grad(set_to_none=True)
     return ce, grad_norm
+
+
+def eval_batches(cfg: RunConfig, prepared: PreparedData) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The held-out batches of the validation loss: train.num_eval_batches of train.eval_batch_size sequences (the
+    batch size if 0), the same on every node. ConfigError when a source's held-out tail holds no sequence: the
+    launcher asks for them before its nodes start (it was said at the first evaluation, hours into a run)."""
+    return list(validation_batches(prepared, cfg.data, seq_len=cfg.train.seq_len,
+                                   batch_size=cfg.train.eval_batch_size or cfg.train.batch_size,
+                                   num_batches=cfg.train.num_eval_batches))
 
 
 class Node:
@@ -359,12 +368,8 @@ class Node:
         The batches are of train.eval_batch_size (the recipe's), each run through the model in micro-batches of
         this machine's size (its memory's: they were the batches, and nodes set up differently scored other
         sequences). Under FSDP2 every local rank runs the same forward passes: their all-gathers need each other."""
-        eval_batch_size = self.cfg.train.eval_batch_size or self.cfg.train.batch_size
         if self._eval_batches is None:
-            prepared = prepare_data(self.cfg.data)
-            self._eval_batches = list(validation_batches(prepared, self.cfg.data, seq_len=self.cfg.train.seq_len,
-                                                         batch_size=eval_batch_size,
-                                                         num_batches=self.cfg.train.num_eval_batches))
+            self._eval_batches = eval_batches(self.cfg, prepare_data(self.cfg.data))
         return validation_loss(self.model, self._eval_batches, micro_batch_size=self.cfg.forward_batch_size,
                                device=self.device)
 

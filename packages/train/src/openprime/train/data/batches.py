@@ -244,8 +244,11 @@ def validation_batches(prepared: PreparedData, cfg: DataConfig, *, seq_len: int,
         raise ConfigError(f"the validation split is too small for one batch of {batch_size} sequences of "
                           f"{seq_len + 1} tokens ({sizes} sequences); raise DataConfig.val_fraction or use "
                           f"shorter sequences or smaller batches")
-    if num_batches is not None and any(len(r) == 0 for r in rows):
-        raise ConfigError(f"a source has no validation sequence of {seq_len + 1} tokens; raise DataConfig.val_fraction")
+    if num_batches is not None and (empty := [i for i, r in zip(indices, rows, strict=True) if len(r) == 0]):
+        tokens = len(load_tokens(prepared, Split.VAL, empty[0]))
+        raise ConfigError(f"source {cfg.mixture[empty[0]].label!r} has no validation sequence of {seq_len + 1} tokens "
+                          f"(its held-out tail, val_fraction={cfg.val_fraction}, is {tokens:,} tokens): raise "
+                          f"data.val_fraction or shorten train.seq_len")
     return _validation_iterator(rows, weights_S, batch_size, fits if num_batches is None else num_batches, cfg.seed)
 
 
