@@ -3,7 +3,9 @@ saved, taken for a full disk."""
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 
 import pytest
 import torch
@@ -97,3 +99,21 @@ def test_num_keep_below_one_is_refused(tmp_path) -> None:
     with pytest.raises(ValueError, match="num_keep=0: keep at least the newest checkpoint"):
         prune(tmp_path, "slot-0", num_keep=0)
     assert list_steps(tmp_path) == [20]
+
+
+@pytest.mark.parametrize(("error", "hint"), [
+    (errno.EACCES, "(no permission to write there?)"), (errno.EROFS, "(the disk is mounted read-only)"),
+    (errno.ENOSPC, "(is the disk full?)")])
+def test_a_failed_save_s_line_says_what_its_error_points_to(tmp_path, monkeypatch, caplog, error, hint):
+    # Every failed save was logged "(is the disk full?)", a permission error or a read-only remount too.
+    import openprime.ckpt.store as store
+
+    def refuse(*args, **kwargs):
+        raise OSError(error, os.strerror(error), "x")
+
+    monkeypatch.setattr(store, "_tmp_name", refuse)
+    ckpt = Checkpointer(tmp_path, part="slot-0", mode=SaveMode.SYNC, num_keep=2)
+    with caplog.at_level("ERROR", logger="openprime.ckpt"):
+        ckpt.save(10, {"w": torch.zeros(3)}, parts=["slot-0"])
+    kind = type(OSError(error, "")).__name__  # PermissionError for EACCES
+    assert f"FAILED: {kind}: [Errno {error}] {os.strerror(error)}: 'x' {hint}; 1 save(s)" in caplog.text, caplog.text

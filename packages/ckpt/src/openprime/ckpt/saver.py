@@ -32,6 +32,7 @@ from openprime.ckpt.store import (
     check_num_keep,
     dcp_cause,
     prune,
+    write_error_hint,
     write_part,
 )
 
@@ -123,9 +124,9 @@ class Checkpointer:
                                            total_s=time.monotonic() - start, error=cause))
             failed = list(itertools.takewhile(lambda r: r.path is None, reversed(self.results)))
             newest = next((r.step for r in reversed(self.results) if r.path is not None), None)
-            log.error("checkpoint of step %d (%s) under %s FAILED: %s (is the disk full?); %d save(s) of this part "
+            log.error("checkpoint of step %d (%s) under %s FAILED: %s (%s); %d save(s) of this part "
                       "failed in a row, %s; training continues, but a crash would lose the steps since",
-                      step, self.part, self.root, cause, len(failed),
+                      step, self.part, self.root, cause, write_error_hint(e), len(failed),
                       f"its newest save is step {newest}" if newest is not None else "no save of it finished yet")
             return
         try:

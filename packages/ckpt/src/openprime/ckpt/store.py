@@ -319,12 +319,29 @@ def read_part(path: pathlib.Path, *, verify: bool = True, only: Sequence[str] = 
         raise CorruptCheckpoint(path, f"{STATE_FILE} refers to tensor {e} that is not stored") from None
 
 
-def dcp_cause(e: BaseException) -> str:
-    """`Type: message` of the error under a torch.distributed.checkpoint failure (DCP wraps it in its own)."""
+def dcp_inner(e: BaseException) -> BaseException:
+    """The error under a torch.distributed.checkpoint failure (DCP wraps it in its own), or `e`."""
     if isinstance(e, CheckpointException) and e.failures:
         inner = next(iter(e.failures.values()))  # (exception, traceback) by rank
         e = inner[0] if isinstance(inner, tuple) else getattr(inner, "exc", inner)
+    return e
+
+
+def dcp_cause(e: BaseException) -> str:
+    """`Type: message` of the error under a torch.distributed.checkpoint failure (DCP wraps it in its own)."""
+    e = dcp_inner(e)
     return f"{type(e).__name__}: {e}"
+
+
+# What a failed write's errno says to check, in a save's error line; any other error: a full disk, the usual cause.
+_WRITE_ERRORS = {errno.EACCES: "no permission to write there?", errno.EPERM: "no permission to write there?",
+                 errno.EROFS: "the disk is mounted read-only", errno.EIO: "the disk or its network mount failed?"}
+
+
+def write_error_hint(e: BaseException) -> str:
+    """A few words on what to check after a save failed with `e` (a DCP failure is read through)."""
+    inner = dcp_inner(e)
+    return _WRITE_ERRORS.get(inner.errno, "is the disk full?") if isinstance(inner, OSError) else "is the disk full?"
 
 
 def part_info(path: pathlib.Path) -> dict[str, Any]:
