@@ -124,3 +124,12 @@ def test_weights_whose_shares_cannot_be_computed_are_refused_with_the_config(wei
     mixture = tuple(WeightedSource(source=s, weight=w) for s, w in zip(("kjv", "cpython"), weights, strict=True))
     with pytest.raises(ConfigError, match=r"DataConfig.mixture: the weights .* write them on one scale"):
         DataConfig(mixture=mixture)
+
+
+def test_a_jsonl_record_whose_text_is_null_is_skipped_as_parquet_s_nulls_are(tmp_path):
+    # It refused the whole source, with the advice to set text_field, which named the right field.
+    (tmp_path / "web.jsonl").write_text('{"text": "first"}\n{"text": null}\n{"text": "third"}\n')
+    assert read_documents(WeightedSource(source=str(tmp_path / "web.jsonl")), max_chars=1000) == ["first", "third"]
+    (tmp_path / "nulls.jsonl").write_text('{"text": null}\n')  # nothing but nulls: no text, as a blank file
+    with pytest.raises(ConfigError, match="holds no text"):
+        read_documents(WeightedSource(source=str(tmp_path / "nulls.jsonl")), max_chars=1000)

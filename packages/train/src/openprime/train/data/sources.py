@@ -197,6 +197,8 @@ def _jsonl_documents(path: pathlib.Path, entry: WeightedSource, max_chars: int |
                 raise ConfigError(f"{describe(entry)}: {path} line {line_number} has no field {field!r} (it has: "
                                   f"{fields}); set WeightedSource.text_field to the field that holds the text")
             text = record[field]
+            if text is None:  # a record without text (a dataset's null): skipped, as parquet's nulls are; it refused
+                continue      # the whole source with advice to change text_field, which was right
             if not isinstance(text, str):
                 raise ConfigError(f"{describe(entry)}: {path} line {line_number}: field {field!r} is "
                                   f"{type(text).__name__}, not text; set WeightedSource.text_field to a text field")
