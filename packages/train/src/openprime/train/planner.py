@@ -54,16 +54,26 @@ class GPU:
     """What the planner needs to know of an accelerator."""
 
     name: str
-    memory_bytes: int  # HBM as marketed; a few hundred MiB of it are not usable
+    memory_bytes: int  # what CUDA reports (torch.cuda.get_device_properties(i).total_memory), not as marketed
     peak_flops: float  # dense bf16 tensor-core FLOP/s (no sparsity), the denominator of MFU
 
 
+# Memory as CUDA reports it, the least seen in PyTorch's out-of-memory messages ("GPU 0 has a total capacity of 79.11
+# GiB"): 79.1-79.3 GiB for the 80 GB parts and 139.7-139.8 GiB for H200's 141 GB, by driver. The marketed 80 and 141
+# GiB said "fits, 10.5 GiB to spare" where 9.6 GiB were (before 2026-12-08). On CUDA, `openprime run` reads the
+# devices' own (openprime.train.hardware).
+_80GB, _141GB = int(79.1 * GiB), int(139.7 * GiB)
 GPUS: dict[str, GPU] = {  # a device is the first key in its name, lower case, "-" for " ": "h100-pcie" first
-    "h100-pcie": GPU(name="H100 PCIe", memory_bytes=80 * GiB, peak_flops=756e12),
-    "h100": GPU(name="H100 SXM", memory_bytes=80 * GiB, peak_flops=989e12),
-    "h200": GPU(name="H200 SXM", memory_bytes=141 * GiB, peak_flops=989e12),
-    "a100": GPU(name="A100 SXM", memory_bytes=80 * GiB, peak_flops=312e12),
+    "h100-pcie": GPU(name="H100 PCIe", memory_bytes=_80GB, peak_flops=756e12),
+    "h100": GPU(name="H100 SXM", memory_bytes=_80GB, peak_flops=989e12),
+    "h200": GPU(name="H200 SXM", memory_bytes=_141GB, peak_flops=989e12),
+    "a100": GPU(name="A100 SXM", memory_bytes=_80GB, peak_flops=312e12),
 }
+
+
+def gib(n: float) -> str:
+    """A memory size in GiB as the planner's lines say it: 79.1, 32 (one decimal, none when it is 0)."""
+    return f"{round(n / GiB, 1):g}"
 
 
 @attrs.frozen(kw_only=True)
@@ -293,7 +303,7 @@ def check_fits(cfg: RunConfig, gpu: str | GPU, *, max_local_ranks: int = MAX_LOC
     raise ConfigError(
         f"{cfg.name!r} does not fit one {device.name}: with {ranks} local rank{'s' * (ranks > 1)} per node each GPU "
         f"needs {need / GiB:.1f} GiB, {(need - device.memory_bytes) / GiB:.1f} GiB more than its "
-        f"{device.memory_bytes / GiB:.0f} GiB (weights, gradients and AdamW state {state / GiB:.1f} GiB, gathered "
+        f"{gib(device.memory_bytes)} GiB (weights, gradients and AdamW state {state / GiB:.1f} GiB, gathered "
         f"units {memory['gathered_bytes'] / GiB:.1f} GiB, activations {memory['activations_bytes'] / GiB:.1f} GiB). "
         f"{_remedies(cfg, device, max_local_ranks=max(max_local_ranks, ranks))}")
 
@@ -472,13 +482,13 @@ def format_plan(plan: Plan) -> str:
     """The plan as aligned lines with units, for the terminal."""
     g = plan.gpu
     fit = (f"fits, {(g.memory_bytes - plan.gpu_bytes) / GiB:.1f} GiB to spare" if plan.fits else
-           f"DOES NOT FIT: {plan.shortfall_bytes / GiB:.1f} GiB more than the {g.memory_bytes / GiB:.0f} GiB "
+           f"DOES NOT FIT: {plan.shortfall_bytes / GiB:.1f} GiB more than the {gib(g.memory_bytes)} GiB "
            f"of one {g.name}; use more GPUs per node or larger GPUs")
     flop_scale = 1e9 if plan.flops_per_token >= 1e9 else 1e6
     sharding = f"FSDP2 over {plan.gpus_per_node} ranks" if plan.gpus_per_node > 1 else "one rank, no sharding"
     shard = ", shard" if plan.gpus_per_node > 1 else ", whole"
     lines = [
-        f"{plan.num_nodes} nodes x {plan.gpus_per_node} {g.name} ({g.memory_bytes / GiB:.0f} GiB, "
+        f"{plan.num_nodes} nodes x {plan.gpus_per_node} {g.name} ({gib(g.memory_bytes)} GiB, "
         f"{g.peak_flops / 1e12:.0f} TFLOP/s bf16), {_rate(plan.bandwidth_bps)} per node, H = {plan.num_inner_steps}",
         f"parameters                 {plan.num_params:,} ({_count(plan.num_params)})",
         f"memory per GPU ({sharding}, {plan.compute_dtype.value} compute, micro-batch {plan.micro_batch_size}, "
