@@ -290,14 +290,16 @@ def send_state(transport: Transport, peer: int, offer: StateOffer, *, deadline: 
 
 
 def _read_offer(offer: dict[str, Any], donor: int) -> tuple[list[TensorSpec], _Layout]:
-    """The tensors and chunks an offer describes; StateCorrupt for one that is malformed or holds no shared state
-    (the global weights: a fetch of nothing would be complete at once, and the joiner left with no state)."""
+    """The tensors and chunks an offer describes; StateCorrupt for one that is malformed or lists no shared tensor
+    (the global weights: a fetch of nothing would be complete at once, and the joiner left with no state). Shared
+    tensors of no element are a state: an FSDP2 rank past a small model's rows holds an empty shard, and its ring's
+    joiner must take that empty state (its hash still checked) rather than refuse every offer."""
     try:
         specs = [TensorSpec(str(n), str(d), tuple(int(x) for x in s), bool(sh)) for n, d, s, sh in offer["tensors"]]
         layout = _Layout(specs, int(offer["chunk_bytes"]), int(offer["piece_bytes"]))
     except (KeyError, TypeError, ValueError) as e:
         raise StateCorrupt(f"donor {donor} sent a malformed state offer: {e}") from None
-    if not any(spec.shared and spec.num_bytes for spec in specs):
+    if not any(spec.shared for spec in specs):
         raise StateCorrupt(f"donor {donor} offered no shared state (no global weights); refused")
     return specs, layout
 
@@ -389,13 +391,16 @@ class StateFetch:
             post(k + IN_FLIGHT)  # keep IN_FLIGHT receives posted while this chunk is checked
             self._check(i, headers[k], views, donor)
             progress.add(self._layout.num_bytes(i))
-        if now and self.complete:
+        # Checked once, when the last chunk arrives; an offer of no chunk at all (empty shards) is complete at once
+        # and checked here too, so that an offer whose hash is not that of the empty state is not taken.
+        if self.complete and (now or not self._layout.num_chunks):
             got = digest.combine(self.shared_digests())
             if got != self.header["state_hash"]:
                 self.num_corrupt += 1
                 log.error("the state from donor %d hashes to %s, not the %s it was offered as; fetching it again",
                           donor, got, self.header["state_hash"])
                 self.received, self._shared_digests = set(), {}
+                return False  # an offer of no chunk would count complete again with nothing received
         return self.complete
 
     def _adopt(self, offer: dict[str, Any], specs: list[TensorSpec], layout: _Layout) -> None:
