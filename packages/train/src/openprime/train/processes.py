@@ -43,6 +43,7 @@ def output_to(path: pathlib.Path | None) -> Iterator[None]:
 
     Tools that print their own progress (tools/chaos.py, tools/experiments) send the nodes' output to a log this way.
     """
+    global _output_redirected
     if path is None:
         yield
         return
@@ -50,17 +51,30 @@ def output_to(path: pathlib.Path | None) -> Iterator[None]:
     sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    was, _output_redirected = _output_redirected, True
     try:
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         yield
     finally:
+        _output_redirected = was
         sys.stdout.flush()
         sys.stderr.flush()
         os.dup2(saved[0], 1)
         os.dup2(saved[1], 2)
         for f in (fd, *saved):
             os.close(f)
+
+
+_output_redirected = False  # inside output_to(): descriptors 1 and 2 are the log's, whatever the process began with
+
+
+def _own_output(fd: int) -> bool:
+    """Whether descriptor `fd` (1, 2) is this process's output to hand its nodes: one it began with, or output_to's.
+    A process started with it closed (`openprime run ... >&-`) has none: the next file it opened took that number
+    (the run directory's lock file), and its nodes, handed that descriptor as their stdout, wrote every progress
+    line into RUN_DIR/.openprime.lock (found 2026-12-08 by review)."""
+    return _output_redirected or (sys.__stdout__ if fd == 1 else sys.__stderr__) is not None
 
 
 # The exit code of a node refused by the coordinator or stopped by a config error: its message says what to change;
@@ -151,6 +165,9 @@ def run_lock_handed() -> int | None:
     return _run_lock_fd
 
 
+_CLOSED = "closed"  # in place of a descriptor the launching process does not have (`_own_output`)
+
+
 class _Inherited:
     """The launching process's stdout, stderr and environment at `NodeProcess.start()`, for the new process, and the
     run directory's lock while it is handed to them (`nodes_hold_run_lock`).
@@ -169,13 +186,22 @@ class _Inherited:
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         lock = reduction.DupFd(_run_lock_fd) if _run_lock_fd is not None else None
-        return _Inherited, (reduction.DupFd(1), reduction.DupFd(2), dict(os.environ), os.getpid(), lock)
+        out, err = (reduction.DupFd(fd) if _own_output(fd) else _CLOSED for fd in (1, 2))
+        return _Inherited, (out, err, dict(os.environ), os.getpid(), lock)
 
     def adopt(self) -> None:
         if self._run_lock is not None:
             self.run_lock_fd = self._run_lock.detach()
         for target, fd in zip((1, 2), self._fds, strict=True):
-            if fd is not None and (fd := fd.detach()) != target:
+            if fd == _CLOSED:  # the launcher has none: neither has the node. /dev/null holds the number, so that no
+                # file the node opens takes it and gets what C code or a child process writes there
+                null = os.open(os.devnull, os.O_WRONLY)
+                if null != target:
+                    os.dup2(null, target)
+                    os.close(null)
+                if target == 1:
+                    sys.stdout = None  # as in a process started with it closed: its lines are dropped (metrics.say)
+            elif fd is not None and (fd := fd.detach()) != target:
                 os.dup2(fd, target)
                 os.close(fd)
         if self._environ is not None:
