@@ -55,8 +55,16 @@ def _recipe_code(path: str | pathlib.Path, run: Callable[[], T]) -> T:
     `openprime` command that called it."""
     try:
         return run()
-    except ConfigError:
-        raise
+    except ConfigError as e:
+        # A value the recipe set that its config class refuses (`TrainConfig(num_steps=0)`): the message names the
+        # field and its rule, but said nothing of the recipe, nor of which of its lines set it (found 2026-12-08 by
+        # review). The innermost line of a recipe comes with it; an error of the openprime command's own stays bare.
+        recipes = {str(p) for p in _loaded}
+        lines = [frame for frame in traceback.extract_tb(e.__traceback__) if frame.filename in recipes]
+        if not lines:
+            raise
+        where = "".join(traceback.format_list(lines[-1:])).rstrip()
+        raise ConfigError(f"recipe {path}: {e}\n{where}") from e
     except SystemExit as e:  # not an Exception: a recipe that exits (a script's argparse, sys.exit) ended the
         # command silently with its code, or with argparse's usage of the recipe (found 2026-12-07 by review)
         raise ConfigError(f"recipe {path} exited (sys.exit({e.code!r})) instead of giving its config: a recipe "

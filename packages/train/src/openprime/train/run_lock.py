@@ -125,9 +125,10 @@ class RunDirLock:
 
     def _refuse(self, run_dir: pathlib.Path) -> None:
         """Let go of what this lock holds and raise RunDirInUse naming the launch that holds the directory."""
-        holder = _describe(self.path)
+        holder, elsewhere = _describe(self.path)
         self.release()
-        raise RunDirInUse(f"{run_dir} is in use by another openprime launch on this machine ({holder}); two "
+        where = "" if elsewhere else " on this machine"
+        raise RunDirInUse(f"{run_dir} is in use by another openprime launch{where} ({holder}); two "
                           f"launches in one run directory would mix their records and overwrite each other's "
                           f"checkpoints. Wait for it to end (then continue its run with --resume latest), or "
                           f"choose another --run-dir")
@@ -217,17 +218,22 @@ def _holder() -> dict[str, object]:
             "command": shlex.join(["openprime", *sys.argv[1:]])}
 
 
-def _describe(path: pathlib.Path) -> str:
-    """Who holds the lock that this launch could not take."""
+def _describe(path: pathlib.Path) -> tuple[str, bool]:
+    """Who holds the lock that this launch could not take, and whether that is a launch of another machine."""
     holders = lock_holders(path)
     if holders is not None:
-        return holders
+        return holders, False
     try:  # its launch is gone: its nodes, which hold the lock too until they exit (processes.nodes_hold_run_lock)
         holder = json.loads(path.read_text())
+        if holder["host"] != socket.gethostname():  # a disk shared over NFS, whose locks reach across machines: this
+            # machine cannot tell whether it lives, and "which ended" sent the person to wait for nodes that train on
+            return (f"pid {holder['pid']} on host {holder['host']}, started {holder['started']}: "
+                    f"{holder['command']}"), True
         return (f"the node processes of launch pid {holder['pid']}, which ended ({holder['command']}); they leave "
-                f"within seconds of it, or once the checkpoint write under way ends (checkpoint.stop_wait_s at most)")
+                f"within seconds of it, or once the checkpoint write under way ends (checkpoint.stop_wait_s at most)"
+                ), False
     except (OSError, ValueError, KeyError, TypeError):
-        return "a launch that joined a run with --join"
+        return "a launch that joined a run with --join", False
 
 
 def lock_holders(path: pathlib.Path) -> str | None:

@@ -51,6 +51,12 @@ def _as_text(value: Any) -> str:
     return str(value)
 
 
+def _toml_kind(value: Any) -> str:
+    if isinstance(value, list):
+        return "an array" + (" of tables ([[...]])" if value and all(isinstance(v, dict) for v in value) else "")
+    return f"the value {value!r}"
+
+
 def site_overrides(path: str | pathlib.Path) -> list[str]:
     """The `key=value` overrides a site file stands for, in file order."""
     path = pathlib.Path(path)
@@ -64,6 +70,13 @@ def site_overrides(path: str | pathlib.Path) -> list[str]:
     if unknown:
         raise ConfigError(f"site file {path}: unknown table(s) {unknown}; a site file holds only "
                           f"{list(SITE_TABLES)} (experiment settings belong in the recipe)")
+    for table in SITE_TABLES:
+        # `transport = "tcp"` or `[[timeouts]]` (an array of tables) is no table of settings: _flatten ended the
+        # command in an AttributeError traceback instead of saying so (found 2026-12-08 by review).
+        if not isinstance(data.get(table, {}), dict):
+            example = "[transport]\nkind = \"tcp\"" if table == "transport" else "[timeouts]\nconnect_s = 120"
+            raise ConfigError(f"site file {path}: {table!r} must be a table of settings, got "
+                              f"{_toml_kind(data[table])}; write it as\n{example}")
     overrides = []
     for key, value in _flatten(data.get("transport", {}), ""):
         overrides.append(f"transport.{key if key == 'kind' else 'options.' + key}={_as_text(value)}")
