@@ -455,3 +455,22 @@ def test_a_killed_launchers_nodes_hold_its_run_directory_until_they_exit(tmp_pat
         if node_pid is not None and not process_ended(node_pid):
             os.kill(node_pid, signal.SIGCONT)
             os.kill(node_pid, 9)
+
+
+def test_a_run_whose_records_show_different_global_states_is_an_error():
+    # The launch exited 0 with "global state hashes DIFFER" in its summary line.
+    from openprime.train.launcher import divergence
+    from openprime.train.metrics import summarize_records
+
+    def outer(node, step, state):
+        return {"kind": "outer", "node": node, "time": 0.0, "outer_step": step, "state_hash": state, "skipped": False,
+                "bytes_sent": 0}
+
+    agree = summarize_records([outer(0, 1, "aa"), outer(1, 1, "aa"), outer(0, 2, "bb"), outer(1, 2, "bb")])
+    assert divergence(agree) is None
+    differ = summarize_records([outer(0, 1, "aa"), outer(1, 1, "aa"), outer(0, 2, "bb"), outer(1, 2, "cc"),
+                                outer(0, 3, "dd"), outer(1, 3, "ee")])
+    message = divergence(differ)
+    assert message is not None and message.startswith("the nodes' records show different global states after outer "
+                                                       "step(s) [2, 3]: the replicas diverged"), message
+    assert "resume from a checkpoint saved before outer step 2" in message

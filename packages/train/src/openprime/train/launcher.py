@@ -349,6 +349,9 @@ def launch(cfg: RunConfig, *, num_nodes: int, run_dir: pathlib.Path, coordinator
         return REFUSED_EXIT if refused else 1
     summary, saved = _print_summary(cfg, run_dir, time.monotonic() - start, num_nodes=num_nodes, joined=coordinator,
                                     recipe_args=recipe_args)
+    if (diverged := divergence(summary)) is not None:  # it exited 0 with "DIFFER" in its summary line
+        tell(f"openprime: error: {diverged}", err=True)
+        return 1
     last = summary.last_checkpoint_step
     if last is not None and (saved is None or saved < last):  # trained, but what it trained is not on disk
         tell(f"openprime: error: the run's last checkpoint, of step {last}, did not finish saving (the errors above "
@@ -358,6 +361,19 @@ def launch(cfg: RunConfig, *, num_nodes: int, run_dir: pathlib.Path, coordinator
              err=True)
         return 1
     return 0
+
+
+def divergence(summary: RunSummary) -> str | None:
+    """What to say of a run whose nodes recorded different global-state hashes after an outer step (None when they
+    agree). The nodes compare their hashes at every outer step and stop (ReplicaDivergence), so this is a bug of
+    openprime's or a run directory written by two runs at once; either way its weights are not to be trusted."""
+    differ = sorted(step for step, hashes in summary.distinct_hashes.items() if len(hashes) > 1)
+    if not differ:
+        return None
+    return (f"the nodes' records show different global states after outer step(s) {differ[:5]}"
+            f"{f' and {len(differ) - 5} more' if len(differ) > 5 else ''}: the replicas diverged although every node "
+            f"ended well. Do not trust this run's weights; resume from a checkpoint saved before outer step "
+            f"{differ[0]} and report it (with metrics.jsonl)")
 
 
 def ended_how(exit_code: int) -> str:
