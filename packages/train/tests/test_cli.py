@@ -159,6 +159,19 @@ def test_a_resume_without_the_checkpoint_directory_the_run_saves_in_names_it(cap
            f"in {run_dir / 'checkpoints'}: add --set checkpoint.directory='{elsewhere}'" in err, err
 
 
+def test_a_new_run_is_refused_a_checkpoint_directory_that_holds_another_run_s_steps(capsys, tmp_path):
+    # checkpoint.directory outside the run directory is shared by every launch of the recipe: a new run (its own new
+    # run directory) saved beside another run's steps, and its --resume latest continued theirs.
+    shared = tmp_path / "scratch"
+    (shared / "step-00000020").mkdir(parents=True)
+    (shared / "step-00000040").mkdir()
+    err = _fails(capsys, tmp_path, DEBUG, "--set", f"checkpoint.directory={shared}")
+    assert f"checkpoint.directory {shared} already holds checkpoints (steps [20, 40]) of another run or of an " \
+           f"earlier launch of this one" in err, err
+    assert "Continue that run with --resume latest and its --run-dir, or give this run another checkpoint.directory" \
+           in err
+
+
 def test_a_launch_that_ended_hands_its_run_lock_to_no_later_node(capsys, tmp_path):
     """A launch refused once it held its run directory's lock left the lock's descriptor handed to the nodes after the
     file was closed: every node this process started later was sent that closed or reused descriptor, and one CI

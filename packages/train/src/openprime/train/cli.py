@@ -403,6 +403,16 @@ def _check_run_dir(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Pa
 
     if args.join and not args.resume:
         return _check_shared_run_dir(cfg, run_dir, args.join, in_use=in_use)
+    if not args.resume and cfg.checkpoint.directory and (steps := list_steps(checkpoint_root(cfg.checkpoint, run_dir))):
+        # A checkpoint.directory outside the run directory is not new with it: a new run saved beside another run's
+        # steps there, and its `--resume latest` continued theirs (found 2026-12-08 by review).
+        root = checkpoint_root(cfg.checkpoint, run_dir)
+        listed = f"{steps[:3]}{' ... ' + str(steps[-1]) if len(steps) > 3 else ''}"
+        raise ConfigError(f"checkpoint.directory {root} already holds checkpoints (steps {listed}) of another run or "
+                          f"of an earlier launch of this one: a new run would save beside them and a later --resume "
+                          f"latest would continue "
+                          f"theirs. Continue that run with --resume latest and its --run-dir, or give this run another "
+                          f"checkpoint.directory (or move them out of {root})")
     if args.resume not in (None, "latest") or not (run_dir / METRICS_FILE).exists():
         return 0
     root = checkpoint_root(cfg.checkpoint, run_dir)
