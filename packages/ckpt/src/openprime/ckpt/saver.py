@@ -135,8 +135,10 @@ class Checkpointer:
                 log.warning("checkpoints of later steps %s under %s are left alone: they are not this run's timeline "
                             "(it resumed from an older step), and `--resume latest` takes the newest complete one",
                             later, self.root)
-        except OSError as e:
-            log.warning("could not prune old checkpoints under %s: %s", self.root, e)
+        except Exception as e:  # the save is done and in place whatever went wrong after it: an error
+            # other than OSError here (a part's state.json half-written by another machine, a `usable` check's bug)
+            # ended the writer thread before this save's result was recorded, and it read as never saved
+            log.warning("could not prune old checkpoints under %s: %s: %s", self.root, type(e).__name__, e)
         self.results.append(SaveResult(step=step, path=path, blocking_s=blocking_s, total_s=time.monotonic() - start))
         log.info("checkpoint of step %d saved to %s in %.2fs (training blocked %.2fs)", step, path,
                  self.results[-1].total_s, blocking_s)
