@@ -254,12 +254,13 @@ def test_prune_keeps_the_newest_and_removes_leftovers(tmp_path) -> None:
     leftover.mkdir()
     sibling_leftover = step_dir(tmp_path, 20) / ".tmp-slot-1-998-dead"
     sibling_leftover.mkdir()
+    sibling_writing = step_dir(tmp_path, 60) / ".tmp-slot-1-997-live"  # in a step kept: maybe a save under way
+    sibling_writing.mkdir()
     prune(tmp_path, "slot-0", num_keep=2)
-    assert list_steps(tmp_path) == [20, 40, 60] and not leftover.exists()
-    # Step 20 is removed whole, slot-1's part too; only slot-1's leftover stays, for its own next save to remove.
-    assert [p.name for p in step_dir(tmp_path, 20).iterdir()] == [sibling_leftover.name]
-    prune(tmp_path, "slot-1", num_keep=2)
-    assert list_steps(tmp_path) == [40, 60]
+    assert not leftover.exists() and sibling_writing.exists()
+    # Step 20 is removed whole, slot-1's part and its leftover too: slot-1 saved 40 and 60 since, so no save of it
+    # writes there, and a part that never saves again (its node gone for good) left its leftover there for ever.
+    assert list_steps(tmp_path) == [40, 60] and not sibling_leftover.exists()
 
 
 def test_a_directory_put_beside_the_parts_of_a_step_does_not_stop_the_pruning(tmp_path) -> None:

@@ -532,7 +532,8 @@ def prune(root: pathlib.Path, part: str, *, num_keep: int, saved: int | None = N
     Counting steps alone, one part's writer removed its part of the last complete step while a sibling was still
     writing the next one: a kill then left no step that held every part. The steps before those are removed whole,
     their other parts too: the writer whose save completed a step is the one that can tell (a run that stops leaves
-    no older part behind). A sibling's temporary directory is left alone (its own next save removes it). Called
+    no older part behind). A sibling's temporary directory is left alone in the steps kept (its own next save removes
+    it); a step removed whole takes every part's with it. Called
     after a save succeeded (no save of this part is running then). `saved`: the step just saved; steps after it are
     another timeline's (a run resumed from an older checkpoint) and are left alone. Returns those later steps.
     `usable`: what a step's present parts must hold besides (as `latest`'s `enough`: a whole node).
@@ -550,6 +551,10 @@ def prune(root: pathlib.Path, part: str, *, num_keep: int, saved: int | None = N
             with contextlib.suppress(OSError):  # removed meanwhile by a sibling's prune
                 for name in finished_parts(path):
                     shutil.rmtree(path / name, ignore_errors=True)
+                # And every part's leftover: a writer killed mid-save whose part never saves again (its node gone
+                # for good) left a temporary directory, a whole node's state at worst, in this step for ever.
+                for leftover in path.glob(f"{TMP_PREFIX}*"):
+                    shutil.rmtree(leftover, ignore_errors=True)
         with contextlib.suppress(OSError):
             path.rmdir()  # fails while a sibling's leftover or a later timeline's part remains
     return later
