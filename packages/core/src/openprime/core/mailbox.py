@@ -130,6 +130,8 @@ class Mailbox:
             key = (peer, tag, seq)
             self._posted[key] = recv
             for early in [u for u in self._unexpected.get(key, []) if u.filled]:
+                if recv.error is not None:  # failed by an earlier chunk (other sizes), which dropped the rest
+                    break
                 self._unexpected[key].remove(early)
                 self._unexpected_bytes -= early.data.numel()
                 self._fill_from(recv, early)
