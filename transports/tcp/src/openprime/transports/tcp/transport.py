@@ -115,7 +115,7 @@ class TcpTransport(StreamTransport):
             host, port = peer_address(self._store, peer, deadline=now() + timeout, closed=self._closed).rsplit(":", 1)
             addressed = True
             for conn in range(self.config.num_connections):
-                sock = socket.create_connection((host, int(port)), timeout=timeout)
+                sock = self._dial(host, int(port), timeout)
                 link.sockets.append(sock)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 keep_alive(sock)  # these connections idle through every inner phase: NATs drop idle mappings
@@ -135,6 +135,23 @@ class TcpTransport(StreamTransport):
                 f"tcp-send-{self.rank}-{peer}-{conn}", self._writer_for(sock), link.shaper,
                 on_error=lambda e, p=peer, g=link.generation: self._send_failed(p, g, e)))
         link.broken = False
+
+    def _dial(self, host: str, port: int, timeout: float) -> socket.socket:
+        """socket.create_connection, with the socket tracked while it connects so that close() can end the connect: a
+        peer whose machine vanished (powered off, cut off) never answers the SYN, and the connect held the link's lock,
+        which close() takes, for the whole connect timeout."""
+        error: OSError = OSError(f"cannot resolve {host}")
+        for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+            sock = socket.socket(family, kind, proto)
+            try:
+                sock.settimeout(timeout)
+                with self._in_handshake(sock):
+                    sock.connect(address)
+                return sock
+            except OSError as e:
+                sock.close()
+                error = e
+        raise error
 
     def _client_handshake(self, sock: socket.socket, peer: int, conn: int, generation: int) -> None:
         with self._in_handshake(sock):
