@@ -219,7 +219,9 @@ class TcpTransport(StreamTransport):
             # what it sent before (which a refused connect to a peer that sent, then closed, would have failed).
             if self._in_sockets.get(peer):
                 return
-        self._mailbox.peer_lost(peer, reason)
+            # Under the lock, as _register's peer_back is: marked lost after the check released it, a peer whose first
+            # connection registered in between stayed lost, every receive from it failing (found 2026-12-08 by review).
+            self._mailbox.peer_lost(peer, reason)
 
     def _accept_loop(self) -> None:
         while not self._closed.is_set():
