@@ -118,6 +118,10 @@ class Receiver:
         self._generation: dict[int, tuple[str, int]] = {}
         self._ready: dict[int, set[bytes]] = defaultdict(set)
         self._lost: set[int] = set()  # peers this side declared lost (mailbox.peer_lost) since they last connected
+        # Held to register a connection and to declare a peer lost: a connect thread's lose_unless_connected found no
+        # connection, the receiver thread then registered the peer's first one, and the peer was marked lost while
+        # connected, every receive from it failing until it reconnected (found 2026-12-08 by review).
+        self._registry = threading.Lock()
         self._handover: queue.SimpleQueue[tuple[zmq.Socket, int, int]] = queue.SimpleQueue()
         self._watched: dict[zmq.Socket, tuple[int, int]] = {}  # monitor of one of our DEALERs -> (peer, generation)
         self._stop = threading.Event()
@@ -138,16 +142,20 @@ class Receiver:
 
     def lose(self, peer: int, reason: str) -> None:
         """Fail what waits on `peer` until it connects again."""
+        with self._registry:
+            self._lose(peer, reason)
+
+    def _lose(self, peer: int, reason: str) -> None:
         self._lost.add(peer)
         self._mailbox.peer_lost(peer, reason)
 
     def lose_unless_connected(self, peer: int, reason: str) -> None:
         """`lose`, unless `peer` has a connection to this rank (a connect to it failed, or a DEALER to it ended): it
         sends over that, and its death or goodbye is seen there, after what it sent before. Also called from the
-        transport's connect threads: `_ready` is only read (one lookup under the GIL); a handshake registered just
-        after it fails what waits, as before."""
-        if not self._ready.get(peer):
-            self.lose(peer, reason)
+        transport's connect threads: the check and the loss are one step against the receiver thread's registering."""
+        with self._registry:
+            if not self._ready.get(peer):
+                self._lose(peer, reason)
 
     def stop(self, timeout_s: float) -> bool:
         """Stop the thread (it closes its sockets); False if it did not finish within `timeout_s`."""
@@ -330,6 +338,10 @@ class Receiver:
         self._reply(conn, {"op": "ok"})
 
     def _register(self, conn: _Conn) -> None:
+        with self._registry:
+            self._register_locked(conn)
+
+    def _register_locked(self, conn: _Conn) -> None:
         peer = conn.peer
         previous = self._generation.get(peer)
         if previous != conn.generation:
