@@ -51,3 +51,39 @@ def test_close_does_not_wait_for_a_connect_that_gets_no_answer():
         transport.close()
         for sock in [*fillers, listener]:
             sock.close()
+
+
+def test_a_transport_whose_store_fails_leaves_no_listening_socket(monkeypatch):
+    # The listener was opened, then the store's set failed (its host died): the socket stayed open, one per try.
+    from openprime.core import stream_transport
+
+    store = host_store(timeout_s=10)
+    rendezvous = Rendezvous(host="127.0.0.1", port=store.port, group="store-fails")
+    made: list[socket.socket] = []
+    create_server = socket.create_server
+
+    def tracked(*args, **kwargs):
+        made.append(create_server(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(socket, "create_server", tracked)
+    real_connect = stream_transport.connect_store
+
+    class _Dying:
+        def __init__(self, inner):
+            self._inner = inner
+
+        def set(self, key, value):
+            raise RuntimeError("store gone")
+
+        def __getattr__(self, name):
+            return getattr(self._inner, name)
+
+    monkeypatch.setattr(stream_transport, "connect_store", lambda *a, **k: _Dying(real_connect(*a, **k)))
+    try:
+        TcpTransport(rendezvous, 0, 2, CONFIG)
+    except RuntimeError as e:
+        assert "store gone" in str(e)
+    else:
+        raise AssertionError("the transport was built although its store failed")
+    assert len(made) == 1 and made[0].fileno() == -1  # closed

@@ -98,7 +98,11 @@ class TcpTransport(StreamTransport):
         except OSError as e:
             raise ConfigError(config.cannot_listen(e.strerror or e)) from None
         port = self._listener.getsockname()[1]
-        self._store.set(f"addr/{rank}", f"{config.hostname}:{port}")  # where peers reach it (listen_host: bound)
+        try:
+            self._store.set(f"addr/{rank}", f"{config.hostname}:{port}")  # where peers reach it (listen_host: bound)
+        except BaseException:  # the store died: no transport, and no listening socket left open for each try
+            self._listener.close()
+            raise
         threading.Thread(target=self._accept_loop, name=f"tcp-accept-{rank}", daemon=True).start()
         self._connect_early()
 
