@@ -57,20 +57,39 @@ def _run(run_dir: pathlib.Path, *args: str, expect: int = 0) -> subprocess.Compl
                       expect=expect)
 
 
+def _made_once(tmp_path_factory, name: str, make) -> pathlib.Path:
+    """The run directory `make(run_dir)` writes, made once per test session and shared by its pytest-xdist workers
+    (each built these module fixtures for itself: 25-31 s of a worker each, twice in most runs). The tests only read
+    them or copy them (`_copy`); the lock lets one worker make it while the others wait."""
+    from filelock import FileLock  # torch's own dependency
+
+    base = tmp_path_factory.getbasetemp()
+    # A worker's base is SESSION/popen-gwN: the session's directory is shared by its workers and no other session.
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    run_dir, done = shared / f"shared-{name}" / "run", shared / f"shared-{name}.done"
+    with FileLock(str(shared / f"shared-{name}.lock"), timeout=600):
+        if not done.exists():
+            shutil.rmtree(run_dir.parent, ignore_errors=True)  # a worker that failed halfway left it
+            run_dir.parent.mkdir()
+            make(run_dir)
+            done.touch()
+    return run_dir
+
+
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory) -> pathlib.Path:
-    run_dir = tmp_path_factory.mktemp("baseline") / "run"
-    _run(run_dir)
-    return run_dir
+    return _made_once(tmp_path_factory, "baseline", _run)
+
+
+def _stopped_run(run_dir: pathlib.Path) -> None:
+    proc = _run(run_dir, "--set", "train.stop_after_outer_steps=3")
+    assert "stopping after outer step 3" in proc.stdout
+    assert f"{_continue_with(run_dir, '--set', 'train.stop_after_outer_steps=3')} --resume latest`" in proc.stdout
 
 
 @pytest.fixture(scope="module")
 def stopped(tmp_path_factory) -> pathlib.Path:
-    run_dir = tmp_path_factory.mktemp("stopped") / "run"
-    proc = _run(run_dir, "--set", "train.stop_after_outer_steps=3")
-    assert "stopping after outer step 3" in proc.stdout
-    assert f"{_continue_with(run_dir, '--set', 'train.stop_after_outer_steps=3')} --resume latest`" in proc.stdout
-    return run_dir
+    return _made_once(tmp_path_factory, "stopped", _stopped_run)
 
 
 def _losses(run_dir: pathlib.Path) -> dict[int, list[float]]:
@@ -603,12 +622,9 @@ RESUME = ("--resume", "latest")
 
 
 @pytest.mark.slow
-def test_machines_with_their_own_disks_resume_bit_identically_or_from_older_saves(baseline, stopped, tmp_path):
+def test_machines_with_their_own_disks_resume_bit_identically(baseline, stopped, tmp_path):
     """Each machine holds only its own node's checkpoint parts. Resumed (`--resume latest` on each, one node each,
-    joined to a standalone coordinator), the run ends exactly as the uninterrupted one. Then: one machine lost its
-    newest save (killed mid-save) and resumes an older one, and a third machine, new, joins first without a
-    checkpoint and takes the other's data slot; at the first outer step the two take the state of the node that is
-    furthest on, and the run goes on from where it was, with one state everywhere."""
+    joined to a standalone coordinator), the run ends exactly as the uninterrupted one."""
     a, b = _machines_of(stopped, tmp_path, "ok")
     outputs = _machines((a, RESUME), (b, RESUME))
     assert all("resumed from" in out and "step-00000030" in out for out in outputs)
@@ -618,6 +634,13 @@ def test_machines_with_their_own_disks_resume_bit_identically_or_from_older_save
     assert {s: sorted(losses_a[s] + losses_b[s]) for s in range(31, 61)} == \
            {s: v for s, v in _losses(baseline).items() if s > 30}
 
+
+@pytest.mark.slow
+def test_machines_with_their_own_disks_resume_from_older_saves(stopped, tmp_path):
+    """(Two tests since 2026-12-08, so that pytest-xdist's workers run them side by side: 89 s as one.) One machine
+    lost its newest save (killed mid-save) and resumes an older one, and a third machine, new, joins first without a
+    checkpoint and takes the other's data slot; at the first outer step the two take the state of the node that is
+    furthest on, and the run goes on from where it was, with one state everywhere."""
     a, b = _machines_of(stopped, tmp_path, "crashed")
     new = tmp_path / "new"
     # Machine b was killed while saving step 30: its part of it never got its final name.
