@@ -43,7 +43,7 @@ from openprime.train.hardware import check_hardware
 from openprime.train.metrics import METRICS_FILE, records_of_kind
 from openprime.train.processes import nodes_hold_run_lock
 from openprime.train.recipe import loaded_recipe_files, recipe_config
-from openprime.train.resuming import LATEST_NEEDS_RUN_DIR, resume_from, set_aside
+from openprime.train.resuming import check_resume_spec, resume_from, set_aside
 from openprime.train.run_lock import RunDirInUse, RunDirLock, new_run_dir
 from openprime.train.site import site_overrides
 from openprime.train.transports import check_installed, codec_for
@@ -268,8 +268,7 @@ def _main(argv: list[str] | None) -> int:
             raise ConfigError(f"--nodes {args.nodes} is more than mesh.max_nodes={cfg.mesh.max_nodes}, the data slots "
                               f"the run cuts its data into (one a node): add --set mesh.max_nodes={args.nodes}"
                               + (" (a resumed run: with --set data.on_layout_change=restart)" if args.resume else ""))
-        if args.resume == "latest" and args.run_dir is None and not cfg.checkpoint.directory:
-            raise ConfigError(LATEST_NEEDS_RUN_DIR)  # before a run directory is made for nothing
+        check_resume_spec(args.resume, cfg, args.run_dir)  # before a run directory is made for nothing
         check_installed(cfg.transport)
         codec_for(cfg.diloco.compression)
         check_secrets(cfg)
@@ -403,19 +402,17 @@ def _check_run_dir(args: argparse.Namespace, cfg: RunConfig, run_dir: pathlib.Pa
 
     if args.join and not args.resume:
         return _check_shared_run_dir(cfg, run_dir, args.join, in_use=in_use)
-    if not args.resume and cfg.checkpoint.directory and (steps := list_steps(checkpoint_root(cfg.checkpoint, run_dir))):
+    root = checkpoint_root(cfg.checkpoint, run_dir)
+    if not args.resume and cfg.checkpoint.directory and (steps := list_steps(root)):
         # A checkpoint.directory outside the run directory is not new with it: a new run saved beside another run's
         # steps there, and its `--resume latest` continued theirs (found 2026-12-08 by review).
-        root = checkpoint_root(cfg.checkpoint, run_dir)
         listed = f"{steps[:3]}{' ... ' + str(steps[-1]) if len(steps) > 3 else ''}"
         raise ConfigError(f"checkpoint.directory {root} already holds checkpoints (steps {listed}) of another run or "
                           f"of an earlier launch of this one: a new run would save beside them and a later --resume "
-                          f"latest would continue "
-                          f"theirs. Continue that run with --resume latest and its --run-dir, or give this run another "
-                          f"checkpoint.directory (or move them out of {root})")
+                          f"latest would continue theirs. Continue that run with --resume latest and its --run-dir, or "
+                          f"give this run another checkpoint.directory (or move them out of {root})")
     if args.resume not in (None, "latest") or not (run_dir / METRICS_FILE).exists():
         return 0
-    root = checkpoint_root(cfg.checkpoint, run_dir)
     resolved = resolved_config(run_dir)
     saved_in = run_checkpoint_root(run_dir, resolved) if resolved is not None else root
     if not list_steps(root) and saved_in != root and list_steps(saved_in):

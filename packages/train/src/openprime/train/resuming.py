@@ -25,7 +25,12 @@ from openprime.train.config import RunConfig
 from openprime.train.data import PreparedData
 from openprime.train.model import Llama
 
-LATEST_NEEDS_RUN_DIR = "--resume latest needs the --run-dir of the run to continue"
+
+def check_resume_spec(spec: str | None, cfg: RunConfig, run_dir: pathlib.Path | None) -> None:
+    """ConfigError for `--resume latest` with no run directory given (`run_dir` None) and no checkpoint.directory:
+    nowhere to look for the newest checkpoint."""
+    if spec == "latest" and run_dir is None and not cfg.checkpoint.directory:
+        raise ConfigError("--resume latest needs the --run-dir of the run to continue")
 
 
 def resume_checkpoint(spec: str, cfg: RunConfig, run_dir: pathlib.Path | None, *, num_nodes: int,
@@ -33,8 +38,7 @@ def resume_checkpoint(spec: str, cfg: RunConfig, run_dir: pathlib.Path | None, *
     """The checkpoint that `--resume spec` names (checksums verified), checked against the recipe's model and local
     ranks and against the launch's checkpoint directory; and the later steps in that directory. `run_dir`: the
     launch's (None: one yet to be made, which holds no checkpoints); `skipped`: filled as find_checkpoint's."""
-    if spec == "latest" and run_dir is None and not cfg.checkpoint.directory:
-        raise ConfigError(LATEST_NEEDS_RUN_DIR)
+    check_resume_spec(spec, cfg, run_dir)
     # A run directory yet to be made holds no checkpoints: only a path or checkpoint.directory are looked at.
     where = run_dir or pathlib.Path("runs").resolve()
     found = find_checkpoint(spec, cfg.checkpoint, where, num_nodes=num_nodes, skipped=skipped)
