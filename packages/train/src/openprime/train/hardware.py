@@ -20,7 +20,7 @@ import torch
 from openprime.core.errors import ConfigError
 from openprime.fsdp import FSDPConfig
 from openprime.train.config import RunConfig
-from openprime.train.planner import GPU, GPUS, GiB, check_fits, gib, gpu_bytes
+from openprime.train.planner import GPU, GPUS, GiB, check_fits, device_gib, gpu_bytes
 
 log = logging.getLogger("openprime.train")
 
@@ -115,5 +115,5 @@ def check_hardware(cfg: RunConfig, *, num_nodes: int = 1, device_type: str | Non
         most = blocks * int(gpu.memory_bytes // one)
         raise ConfigError(f"{num_nodes} nodes of {ranks} local rank(s) on this machine's {num_devices} GPU(s) put "
                           f"{per_gpu} nodes' shares on each GPU: {per_gpu * one / GiB:.1f} GiB, more than its "
-                          f"{gib(gpu.memory_bytes)} GiB. Start at most {most} node(s) here (--nodes {most}) and "
+                          f"{device_gib(gpu.memory_bytes)} GiB. Start at most {most} node(s) here (--nodes {most}) and "
                           f"the others on other machines (--join)")

@@ -71,8 +71,9 @@ GPUS: dict[str, GPU] = {  # a device is the first key in its name, lower case, "
 }
 
 
-def gib(n: float) -> str:
-    """A memory size in GiB as the planner's lines say it: 79.1, 32 (one decimal, none when it is 0)."""
+def device_gib(n: float) -> str:
+    """A device's memory in GiB as the planner's lines say it: 79.1, 32 (one decimal, none when it is 0); table
+    cells of other sizes are `_gib`'s."""
     return f"{round(n / GiB, 1):g}"
 
 
@@ -303,7 +304,7 @@ def check_fits(cfg: RunConfig, gpu: str | GPU, *, max_local_ranks: int = MAX_LOC
     raise ConfigError(
         f"{cfg.name!r} does not fit one {device.name}: with {ranks} local rank{'s' * (ranks > 1)} per node each GPU "
         f"needs {need / GiB:.1f} GiB, {(need - device.memory_bytes) / GiB:.1f} GiB more than its "
-        f"{gib(device.memory_bytes)} GiB (weights, gradients and AdamW state {state / GiB:.1f} GiB, gathered "
+        f"{device_gib(device.memory_bytes)} GiB (weights, gradients and AdamW state {state / GiB:.1f} GiB, gathered "
         f"units {memory['gathered_bytes'] / GiB:.1f} GiB, activations {memory['activations_bytes'] / GiB:.1f} GiB). "
         f"{_remedies(cfg, device, max_local_ranks=max(max_local_ranks, ranks))}")
 
@@ -482,13 +483,13 @@ def format_plan(plan: Plan) -> str:
     """The plan as aligned lines with units, for the terminal."""
     g = plan.gpu
     fit = (f"fits, {(g.memory_bytes - plan.gpu_bytes) / GiB:.1f} GiB to spare" if plan.fits else
-           f"DOES NOT FIT: {plan.shortfall_bytes / GiB:.1f} GiB more than the {gib(g.memory_bytes)} GiB "
+           f"DOES NOT FIT: {plan.shortfall_bytes / GiB:.1f} GiB more than the {device_gib(g.memory_bytes)} GiB "
            f"of one {g.name}; use more GPUs per node or larger GPUs")
     flop_scale = 1e9 if plan.flops_per_token >= 1e9 else 1e6
     sharding = f"FSDP2 over {plan.gpus_per_node} ranks" if plan.gpus_per_node > 1 else "one rank, no sharding"
     shard = ", shard" if plan.gpus_per_node > 1 else ", whole"
     lines = [
-        f"{plan.num_nodes} nodes x {plan.gpus_per_node} {g.name} ({gib(g.memory_bytes)} GiB, "
+        f"{plan.num_nodes} nodes x {plan.gpus_per_node} {g.name} ({device_gib(g.memory_bytes)} GiB, "
         f"{g.peak_flops / 1e12:.0f} TFLOP/s bf16), {_rate(plan.bandwidth_bps)} per node, H = {plan.num_inner_steps}",
         f"parameters                 {plan.num_params:,} ({_count(plan.num_params)})",
         f"memory per GPU ({sharding}, {plan.compute_dtype.value} compute, micro-batch {plan.micro_batch_size}, "
