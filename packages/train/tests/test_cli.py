@@ -620,3 +620,11 @@ def test_plan_with_gpus_per_node_names_that_flag_in_its_remedy(capsys):
 def test_export_of_a_path_that_does_not_exist_says_so(tmp_path, capsys):
     assert main(["export", str(tmp_path / "no-such-run"), str(tmp_path / "out")]) == 2
     assert f"{tmp_path / 'no-such-run'} does not exist: give a run directory or a checkpoint" in capsys.readouterr().err
+
+
+def test_resume_latest_without_a_run_dir_is_refused_before_a_run_directory_is_made(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for flags in ([], ["--dry-run"]):
+        assert main(["run", DEBUG, "--resume", "latest", *flags]) == 2
+        assert "--resume latest needs the --run-dir of the run to continue" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
